@@ -1,0 +1,133 @@
+"""The public entry points: validate -> select -> run."""
+
+from __future__ import annotations
+
+import torch
+
+from msa.backends import Backend, builtin_backends
+from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.problem import DecodeProblem
+from msa.scales import Scale
+from msa.validation import check_decode_data, check_decode_inputs, validation_requested
+
+__all__ = ["sparse_decode", "select_backend", "available_backends"]
+
+_BACKENDS: dict[str, Backend] = {b.name: b for b in builtin_backends()}
+
+
+def available_backends() -> list[Backend]:
+    """Every registered backend, in priority order."""
+    return list(_BACKENDS.values())
+
+
+def select_backend(problem: DecodeProblem, backend: str = "auto") -> Backend:
+    """The backend that will run `problem`: the first qualified one for "auto", else the named one.
+
+    Raises:
+        MSAInputError: an unknown backend name.
+        MSAUnsupportedError: the named backend (or, for "auto", every backend) cannot serve
+            `problem`; the message lists each refusal's reasons.
+    """
+    if backend == "auto":
+        reasons: dict[str, list[str]] = {}
+        for candidate in _BACKENDS.values():
+            why = candidate.not_supported_reasons(problem)
+            if not why:
+                return candidate
+            reasons[candidate.name] = why
+        raise MSAUnsupportedError("no msa backend can run this step:", reasons)
+    if backend not in _BACKENDS:
+        raise MSAInputError(
+            "backend", "'auto' or one of " + ", ".join(repr(n) for n in _BACKENDS), repr(backend)
+        )
+    chosen = _BACKENDS[backend]
+    why = chosen.not_supported_reasons(problem)
+    if why:
+        raise MSAUnsupportedError(f"backend {backend!r} cannot run this step:", {backend: why})
+    return chosen
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    kv_cache_dtype: str | None = None,
+    sm_scale: Scale | None = None,
+    q_scale: Scale = 1.0,
+    k_scale: Scale = 1.0,
+    v_scale: Scale = 1.0,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention decode over a paged KV cache with per-query-token page selection.
+
+    Row `r = b*L + i` (request `b`, query token `i`) at position `seq_lens[b] - L + i` attends,
+    for each KV head `h`, the visible tokens of the blocks listed in `topk_indices[h, r]`
+    (SPEC §3); `-1` and out-of-range entries are skipped.
+
+    Args:
+        q: `[B*L, Hq, D]` bf16/fp16 (fp8 e4m3 with `q_scale`), rows request-major, unit last
+            stride.
+        kv_cache: the paged cache in its layout (see `msa.layouts`): `[pages, Hkv, P, 2D]`
+            bf16/fp16/fp8, or `[pages, 2Hkv, P, D/2 + D/16]` uint8 for NVFP4.
+        topk_indices: int32 `[Hkv, B*L, K]`, block ids per (KV head, row); any strides (the
+            transpose of a token-major `[B*L, Hkv, K]` buffer is accepted without a copy).
+        block_table: int32 `[B, max_blocks]`: block `j` of request `b` lives at page
+            `block_table[b, j]`.
+        seq_lens: int32 `[B]`: KV length of each request including its `L` new tokens.
+        decode_query_len: `L`, query tokens per request.
+        kv_cache_dtype: "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "nvfp4", or None to
+            infer it from the cache dtype.
+        sm_scale: softmax scale, default `D ** -0.5`.
+        q_scale, k_scale, v_scale: dequantization scales; floats or one-element fp32 tensors
+            on `q`'s device (NVFP4 global scales).
+        out: optional `[B*L, Hq, D]` output (dtype of `q`, bf16 for fp8 `q`); views with unit
+            last stride are fine.
+        lse: optional fp32 `[B*L, Hq]` output for the natural-log log-sum-exp.
+        return_lse: also return the log-sum-exp (`-inf` for rows that attend nothing).
+        backend: "auto" (the first backend that qualifies) or a backend name.
+        validate: also run the checks that read device data (index ranges, duplicates, pages).
+            `MSA_VALIDATE=1` turns them on globally.
+
+    Returns:
+        `out`, or `(out, lse)` when `return_lse` (or `lse=`) is given.
+    """
+    problem, inputs = check_decode_inputs(
+        q,
+        kv_cache,
+        topk_indices,
+        block_table,
+        seq_lens,
+        decode_query_len=decode_query_len,
+        kv_cache_dtype=kv_cache_dtype,
+        sm_scale=sm_scale,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out=out,
+        lse=lse,
+        return_lse=return_lse,
+    )
+    if validation_requested(validate):
+        check_decode_data(problem, inputs)
+    chosen = select_backend(problem, backend)
+    g = problem.geometry
+    out_t = inputs.out
+    if out_t is None:
+        out_t = torch.empty(
+            (problem.num_rows, g.num_q_heads, g.head_dim), dtype=problem.out_dtype, device=q.device
+        )
+    lse_t = inputs.lse
+    if lse_t is None and problem.return_lse:
+        lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=q.device)
+    chosen.run(problem, inputs, out_t, lse_t)
+    if lse_t is not None:
+        return out_t, lse_t
+    return out_t

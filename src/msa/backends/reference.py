@@ -1,0 +1,91 @@
+"""The reference backend: SPEC §3 in float32 torch, on any device. The oracle every kernel is
+checked against — written for clarity, vectorized over rows, chunked to bound memory."""
+
+from __future__ import annotations
+
+import torch
+
+from msa.backends.base import Backend
+from msa.problem import DecodeProblem
+from msa.scales import scale_tensor
+from msa.validation import DecodeInputs
+
+__all__ = ["ReferenceBackend", "selected_tokens", "CHUNK_BYTES"]
+
+#: Upper bound on the dequantized K and V held at once (bytes); rows are processed in chunks.
+CHUNK_BYTES = 512 * 2**20
+
+
+def selected_tokens(
+    problem: DecodeProblem, inputs: DecodeInputs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Resolve the index lists into what each row attends (SPEC §3).
+
+    Returns:
+        `(used, block, page, visible)`:
+        - `used` bool `[Hkv, R, K]`: the entry is attended (`0 <= j < ceil(n/P)`, `j` inside the
+          block table, and its page inside the cache);
+        - `block` int64 `[Hkv, R, K]`: the block id (0 where unused);
+        - `page` int64 `[Hkv, R, K]`: the physical page (0 where unused);
+        - `visible` int64 `[R]`: `n = max(seq_lens[b] - L + i + 1, 0)`.
+    """
+    g, length = problem.geometry, problem.query_len
+    device = inputs.q.device
+    rows = torch.arange(problem.num_rows, device=device)
+    request = rows // length
+    visible = (inputs.seq_lens.long()[request] - length + rows % length + 1).clamp(min=0)
+    limit = ((visible + g.page_size - 1) // g.page_size).clamp(max=problem.max_blocks)
+    idx = inputs.topk_indices.long()
+    used = (idx >= 0) & (idx < limit.view(1, -1, 1))
+    block = torch.where(used, idx, 0)
+    page = inputs.block_table.long()[request.view(1, -1, 1), block]
+    used &= (page >= 0) & (page < problem.num_pages)
+    return used, block, torch.where(used, page, 0), visible
+
+
+class ReferenceBackend(Backend):
+    """float32 torch on any device: every layout, geometry, query length and LSE."""
+
+    name = "reference"
+    description = "SPEC §3 in float32 torch on any device (the oracle; slow)"
+
+    def not_supported_reasons(self, problem: DecodeProblem) -> list[str]:
+        return []
+
+    def run(
+        self,
+        problem: DecodeProblem,
+        inputs: DecodeInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
+        g = problem.geometry
+        hkv, group, p, d = g.num_kv_heads, g.group_size, g.page_size, g.head_dim
+        device = inputs.q.device
+        used, block, page, visible = selected_tokens(problem, inputs)
+        score_scale = scale_tensor(inputs.sm_scale, device) * scale_tensor(inputs.q_scale, device)
+        q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]
+        heads = torch.arange(hkv, device=device).view(hkv, 1, 1)
+        offsets = torch.arange(p, device=device)
+        per_row = 2 * hkv * g.topk * p * d * 4
+        step = max(1, CHUNK_BYTES // per_row)
+        for r0 in range(0, problem.num_rows, step):
+            r1 = min(r0 + step, problem.num_rows)
+            keys, values = inputs.layout.gather(
+                inputs.kv_cache,
+                page[:, r0:r1],
+                heads,
+                k_scale=inputs.k_scale,
+                v_scale=inputs.v_scale,
+            )  # [Hkv, rc, K, P, D]
+            token = block[:, r0:r1, :, None] * p + offsets  # [Hkv, rc, K, P]
+            valid = used[:, r0:r1, :, None] & (token < visible[r0:r1].view(1, -1, 1, 1))
+            scores = torch.einsum("hrgd,hrkpd->hrgkp", q[:, r0:r1], keys) * score_scale
+            scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf")).flatten(-2)
+            row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, rc, G]; -inf for empty rows
+            shift = torch.where(torch.isfinite(row_lse), row_lse, 0.0)
+            probs = torch.exp(scores - shift.unsqueeze(-1))  # exp(-inf) = 0 for skipped tokens
+            o = torch.einsum("hrgt,hrtd->hrgd", probs, values.flatten(2, 3))
+            out[r0:r1] = o.permute(1, 0, 2, 3).reshape(r1 - r0, g.num_q_heads, d).to(out.dtype)
+            if lse is not None:
+                lse[r0:r1] = row_lse.permute(1, 0, 2).reshape(r1 - r0, g.num_q_heads)

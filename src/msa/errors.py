@@ -1,0 +1,49 @@
+"""The exceptions msa raises. Every one names the argument, what was expected and what was given."""
+
+from __future__ import annotations
+
+__all__ = ["MSAError", "MSAInputError", "MSAUnsupportedError", "MSAPluginError"]
+
+
+class MSAError(Exception):
+    """Base class of every error msa raises on purpose."""
+
+
+class MSAInputError(MSAError, ValueError):
+    """An argument does not meet the contract (shape, dtype, device, stride, value).
+
+    Attributes:
+        argument: the name of the offending argument, as the caller spelled it.
+        expected: what the contract asks for.
+        given: what was passed.
+    """
+
+    def __init__(self, argument: str, expected: str, given: object, hint: str = "") -> None:
+        self.argument = argument
+        self.expected = expected
+        self.given = given
+        message = f"{argument}: expected {expected}, got {given}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+
+class MSAUnsupportedError(MSAError, NotImplementedError):
+    """The inputs are valid but the requested backend (or every backend) cannot serve them.
+
+    Attributes:
+        reasons: backend name -> the reasons it refused.
+    """
+
+    def __init__(self, message: str, reasons: dict[str, list[str]] | None = None) -> None:
+        self.reasons: dict[str, list[str]] = dict(reasons or {})
+        if self.reasons:
+            lines = [message]
+            for name, why in self.reasons.items():
+                lines.append(f"  {name}: " + "; ".join(why))
+            message = "\n".join(lines)
+        super().__init__(message)
+
+
+class MSAPluginError(MSAError, RuntimeError):
+    """A backend plugin failed to load or declared something invalid."""

@@ -1,0 +1,89 @@
+"""The split layouts (SPEC §4): `[pages, Hkv, P, 2*D]`, K in the first `D` channels, V in the
+last `D`. BF16/FP16 store values as they are; FP8 stores `x / scale` in float8_e4m3fn."""
+
+from __future__ import annotations
+
+import torch
+
+from msa.errors import MSAInputError
+from msa.layouts.base import CacheShape, KVLayout, SlotWrite
+from msa.scales import Scale, check_scale, scale_tensor
+
+__all__ = ["SplitLayout", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
+
+#: The largest finite float8_e4m3fn value; the FP8 writer saturates to it.
+FP8_E4M3_MAX = 448.0
+
+
+class SplitLayout(KVLayout):
+    """K and V of a token side by side in one row of `2*D` elements."""
+
+    def __init__(
+        self, name: str, storage_dtype: torch.dtype, accepted: tuple[torch.dtype, ...]
+    ) -> None:
+        self.name = name
+        self.storage_dtype = storage_dtype
+        self.accepted_dtypes = accepted
+
+    def cache_shape(
+        self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_pages, num_kv_heads, page_size, 2 * head_dim)
+
+    def _shape_doc(self) -> str:
+        return "[pages, Hkv, P, 2*D]"
+
+    def _shape_from_cache(self, cache: torch.Tensor, argument: str) -> CacheShape:
+        pages, heads, page_size, width = cache.shape
+        if width % 2:
+            raise MSAInputError(
+                argument, "an even last dimension (2*D: K then V)", f"shape {tuple(cache.shape)}"
+            )
+        return CacheShape(pages, heads, page_size, width // 2)
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        return 2 * head_dim * self.storage_dtype.itemsize
+
+    def _encode(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scaled = x.float() / scale
+        if dtype == torch.float8_e4m3fn:
+            scaled = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return scaled.to(dtype)
+
+    def _store(
+        self,
+        cache: torch.Tensor,
+        shape: CacheShape,
+        selected: SlotWrite,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        d = shape.head_dim
+        k = self._encode(selected.key, k_scale, cache.dtype)
+        v = self._encode(selected.value, v_scale, cache.dtype)
+        # cache[page, :, offset, :] for every written token: [n, Hkv, 2D]
+        cache[selected.pages, :, selected.offsets, :d] = k
+        cache[selected.pages, :, selected.offsets, d:] = v
+
+    def gather(
+        self,
+        cache: torch.Tensor,
+        pages: torch.Tensor,
+        heads: torch.Tensor,
+        *,
+        k_scale: Scale = 1.0,
+        v_scale: Scale = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = cache.shape[-1] // 2
+        rows = cache[pages, heads]  # [*S, P, 2D]
+        k = check_scale("k_scale", k_scale, cache.device)
+        v = check_scale("v_scale", v_scale, cache.device)
+        return (
+            rows[..., :d].float() * scale_tensor(k, cache.device),
+            rows[..., d:].float() * scale_tensor(v, cache.device),
+        )
+
+
+BFLOAT16 = SplitLayout("bfloat16", torch.bfloat16, (torch.bfloat16,))
+FLOAT16 = SplitLayout("float16", torch.float16, (torch.float16,))
+FP8_E4M3 = SplitLayout("fp8_e4m3", torch.float8_e4m3fn, (torch.float8_e4m3fn,))

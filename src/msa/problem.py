@@ -1,0 +1,121 @@
+"""Value objects that describe a decode step: `Geometry` and `DecodeProblem`.
+
+These are frozen, slotted attrs classes, so they can key caches (plans, selections).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from msa.errors import MSAInputError
+
+__all__ = ["Geometry", "DecodeProblem", "MINIMAX_M3", "MINIMAX_M3_TP"]
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MSAInputError(attribute.name, "a positive int", repr(value))
+
+
+@attrs.frozen
+class Geometry:
+    """The attention geometry of one rank.
+
+    Attributes:
+        num_q_heads: query heads on this rank (`Hq`).
+        num_kv_heads: KV heads on this rank (`Hkv`); `Hq % Hkv == 0`.
+        head_dim: head dimension (`D`).
+        page_size: tokens per KV page (`P`), also the sparse block size.
+        topk: selected pages per (query token, KV head) (`K`).
+    """
+
+    num_q_heads: int = attrs.field(validator=_positive)
+    num_kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    page_size: int = attrs.field(validator=_positive)
+    topk: int = attrs.field(validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise MSAInputError(
+                "num_q_heads",
+                f"a multiple of num_kv_heads={self.num_kv_heads}",
+                self.num_q_heads,
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (`G = Hq // Hkv`)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    def tensor_parallel(self, tp_size: int) -> Geometry:
+        """The per-rank geometry under tensor parallelism of `tp_size` ranks.
+
+        Query heads are split evenly; KV heads are split while there are enough of them and
+        replicated (one per rank) beyond that, as serving engines do.
+        """
+        if tp_size <= 0 or self.num_q_heads % tp_size:
+            raise MSAInputError(
+                "tp_size", f"a positive divisor of num_q_heads={self.num_q_heads}", tp_size
+            )
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            raise MSAInputError(
+                "tp_size",
+                f"a divisor or multiple of num_kv_heads={self.num_kv_heads}",
+                tp_size,
+            )
+        return attrs.evolve(
+            self,
+            num_q_heads=self.num_q_heads // tp_size,
+            num_kv_heads=max(self.num_kv_heads // tp_size, 1),
+        )
+
+    def describe(self) -> str:
+        """A short human-readable form, e.g. `64/4 heads, D=128, P=128, K=16`."""
+        return (
+            f"{self.num_q_heads}/{self.num_kv_heads} heads, D={self.head_dim}, "
+            f"P={self.page_size}, K={self.topk}"
+        )
+
+
+#: MiniMax-M3's full (TP1) attention geometry: 64 query heads, 4 KV heads, D 128, 16 pages of 128.
+MINIMAX_M3 = Geometry(num_q_heads=64, num_kv_heads=4, head_dim=128, page_size=128, topk=16)
+
+#: MiniMax-M3's per-rank geometry for each tensor-parallel size: 64/4, 32/2, 16/1, 8/1 heads.
+MINIMAX_M3_TP: dict[int, Geometry] = {tp: MINIMAX_M3.tensor_parallel(tp) for tp in (1, 2, 4, 8)}
+
+
+@attrs.frozen
+class DecodeProblem:
+    """Everything a backend or the selection policy may know about a step without reading
+    device data.
+
+    Attributes:
+        geometry: the rank's heads, head dim, page size and top-k.
+        batch_size: decode requests in the step (`B`).
+        query_len: query tokens per request (`L`).
+        kv_layout: canonical layout name ("bfloat16", "float16", "fp8_e4m3", "nvfp4").
+        q_dtype: dtype of `q`.
+        out_dtype: dtype of `out` (`q`'s dtype; bf16 when `q` is fp8).
+        device_type: "cuda", "cpu", ...
+        num_pages: physical pages in the cache.
+        max_blocks: columns of `block_table`.
+        return_lse: whether the caller asked for the log-sum-exp.
+    """
+
+    geometry: Geometry
+    batch_size: int
+    query_len: int
+    kv_layout: str
+    q_dtype: torch.dtype
+    out_dtype: torch.dtype
+    device_type: str
+    num_pages: int
+    max_blocks: int
+    return_lse: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Query rows `B * L`."""
+        return self.batch_size * self.query_len

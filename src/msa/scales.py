@@ -1,0 +1,48 @@
+"""Scale arguments: python floats or one-element fp32 tensors (graph-safe: never read on the host)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from msa.errors import MSAInputError
+
+__all__ = ["Scale", "check_scale", "scale_tensor"]
+
+#: A scale: a python float, or a one-element fp32 tensor on the device of the data it scales.
+Scale = Union[float, torch.Tensor]
+
+
+def check_scale(argument: str, value: object, device: torch.device) -> Scale:
+    """Validate a scale argument and return it unchanged (ints become floats).
+
+    Raises:
+        MSAInputError: not a number, not a one-element fp32 tensor, or on another device.
+    """
+    if isinstance(value, bool):
+        raise MSAInputError(argument, "a float or a one-element fp32 tensor", repr(value))
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.float32:
+            raise MSAInputError(
+                argument,
+                "a one-element float32 tensor",
+                f"a {value.dtype} tensor of shape {tuple(value.shape)}",
+            )
+        if value.device != device:
+            raise MSAInputError(
+                argument,
+                f"a tensor on {device} (the device of the data it scales)",
+                f"a tensor on {value.device}",
+            )
+        return value
+    raise MSAInputError(argument, "a float or a one-element fp32 tensor", type(value).__name__)
+
+
+def scale_tensor(value: Scale, device: torch.device) -> torch.Tensor:
+    """The scale as a 0-d fp32 tensor on `device` (no host synchronisation)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)

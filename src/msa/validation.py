@@ -1,0 +1,306 @@
+"""Input checks for a decode step (SPEC §6).
+
+`check_decode_inputs` runs every check that needs no device data and returns the step as a
+`DecodeProblem` plus the checked `DecodeInputs`. `check_decode_data` runs the deep checks
+(`validate=True` or `MSA_VALIDATE=1`), which read indices, tables and lengths from the device and
+report the first offending row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+
+from msa.errors import MSAInputError
+from msa.layouts import KVLayout, layout_for_cache
+from msa.problem import DecodeProblem, Geometry
+from msa.scales import Scale, check_scale
+
+__all__ = [
+    "DecodeInputs",
+    "Q_DTYPES",
+    "check_decode_inputs",
+    "check_decode_data",
+    "output_dtype",
+    "validation_requested",
+]
+
+#: dtypes accepted for `q`.
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+@attrs.frozen(eq=False)
+class DecodeInputs:
+    """The checked tensors and scales of one decode step (shapes as in SPEC §2).
+
+    Attributes:
+        q: `[B*L, Hq, D]`.
+        kv_cache: the cache, in `layout`.
+        topk_indices: int32 `[Hkv, B*L, K]`, any strides.
+        block_table: int32 `[B, max_blocks]`, unit last stride.
+        seq_lens: int32 `[B]`, KV lengths including the `L` new tokens.
+        layout: the cache's concrete layout.
+        sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
+        out: `[B*L, Hq, D]` output (None until the API allocates it).
+        lse: `[B*L, Hq]` fp32 log-sum-exp output, or None.
+    """
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    topk_indices: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    layout: KVLayout
+    sm_scale: Scale
+    q_scale: Scale
+    k_scale: Scale
+    v_scale: Scale
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
+def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """`q`'s dtype, or bf16 when `q` is fp8."""
+    return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
+
+
+def validation_requested(validate: bool) -> bool:
+    """True when the caller passed `validate=True` or the environment sets `MSA_VALIDATE=1`."""
+    return validate or os.environ.get("MSA_VALIDATE", "") not in ("", "0")
+
+
+def _tensor(argument: str, value: object, device: torch.device | None = None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise MSAInputError(argument, "a torch.Tensor", type(value).__name__)
+    if device is not None and value.device != device:
+        raise MSAInputError(argument, f"a tensor on {device} (the device of q)", value.device)
+    return value
+
+
+def _int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:
+    if value.dtype != torch.int32 or value.dim() != dim:
+        raise MSAInputError(
+            argument, f"an int32 tensor {shape_doc}", f"{value.dtype} of shape {tuple(value.shape)}"
+        )
+
+
+def _check_q(q: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise MSAInputError("q", "a 3-D tensor [B*L, Hq, D]", f"shape {tuple(q.shape)}")
+    if q.dtype not in Q_DTYPES:
+        raise MSAInputError("q", "dtype bfloat16, float16 or float8_e4m3fn", q.dtype)
+    if q.stride(-1) != 1:
+        raise MSAInputError("q", "unit stride in the last dimension", f"strides {q.stride()}")
+
+
+def _check_output(
+    argument: str, value: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    if value is None:
+        return None
+    t = _tensor(argument, value, device)
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise MSAInputError(
+            argument,
+            f"a {dtype} tensor of shape {shape}",
+            f"{t.dtype} of shape {tuple(t.shape)}",
+        )
+    if t.stride(-1) != 1:
+        raise MSAInputError(argument, "unit stride in the last dimension", f"strides {t.stride()}")
+    return t
+
+
+def check_decode_inputs(
+    q: object,
+    kv_cache: object,
+    topk_indices: object,
+    block_table: object,
+    seq_lens: object,
+    *,
+    decode_query_len: object,
+    kv_cache_dtype: str | None = None,
+    sm_scale: object = None,
+    q_scale: object = 1.0,
+    k_scale: object = 1.0,
+    v_scale: object = 1.0,
+    out: object = None,
+    lse: object = None,
+    return_lse: bool = False,
+) -> tuple[DecodeProblem, DecodeInputs]:
+    """Every check of SPEC §6 that needs no device data.
+
+    Returns:
+        The step's `DecodeProblem` and its `DecodeInputs` (out/lse as given, possibly None).
+
+    Raises:
+        MSAInputError: naming the first argument that breaks the contract.
+    """
+    q_t = _tensor("q", q)
+    _check_q(q_t)
+    device = q_t.device
+    cache = _tensor("kv_cache", kv_cache, device)
+    layout = layout_for_cache(cache, kv_cache_dtype)
+    shape = layout.inspect(cache)
+    rows, num_q_heads, head_dim = q_t.shape
+    if head_dim != shape.head_dim:
+        raise MSAInputError(
+            "q", f"head dim {shape.head_dim} (the head dim of kv_cache)", f"head dim {head_dim}"
+        )
+    if num_q_heads % shape.num_kv_heads:
+        raise MSAInputError(
+            "q",
+            f"a number of heads divisible by the cache's {shape.num_kv_heads} KV heads",
+            f"{num_q_heads} heads",
+        )
+    if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool):
+        raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
+    if decode_query_len < 1:
+        raise MSAInputError("decode_query_len", "an int >= 1", decode_query_len)
+
+    lens = _tensor("seq_lens", seq_lens, device)
+    _int32("seq_lens", lens, "[B]", 1)
+    batch = lens.shape[0]
+    if rows != batch * decode_query_len:
+        raise MSAInputError(
+            "q",
+            f"B*L = {batch}*{decode_query_len} = {batch * decode_query_len} rows "
+            "(B from seq_lens, L = decode_query_len)",
+            f"{rows} rows",
+        )
+    table = _tensor("block_table", block_table, device)
+    _int32("block_table", table, "[B, max_blocks]", 2)
+    if table.shape[0] != batch or table.shape[1] < 1:
+        raise MSAInputError(
+            "block_table", f"shape [{batch}, max_blocks >= 1] (B from seq_lens)", tuple(table.shape)
+        )
+    if table.stride(-1) != 1:
+        raise MSAInputError("block_table", "unit stride in the last dimension", table.stride())
+    indices = _tensor("topk_indices", topk_indices, device)
+    _int32("topk_indices", indices, "[Hkv, B*L, K]", 3)
+    if indices.shape[0] != shape.num_kv_heads or indices.shape[1] != rows or indices.shape[2] < 1:
+        raise MSAInputError(
+            "topk_indices",
+            f"shape [{shape.num_kv_heads}, {rows}, K >= 1] (head-major: [Hkv, B*L, K]; "
+            "pass a token-major buffer as .transpose(0, 1))",
+            tuple(indices.shape),
+        )
+
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    scales = {
+        name: check_scale(name, value, device)
+        for name, value in (
+            ("sm_scale", sm_scale),
+            ("q_scale", q_scale),
+            ("k_scale", k_scale),
+            ("v_scale", v_scale),
+        )
+    }
+    out_dtype = output_dtype(q_t.dtype)
+    out_t = _check_output("out", out, (rows, num_q_heads, head_dim), out_dtype, device)
+    lse_t = _check_output("lse", lse, (rows, num_q_heads), torch.float32, device)
+
+    geometry = Geometry(
+        num_q_heads=num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=head_dim,
+        page_size=shape.page_size,
+        topk=indices.shape[2],
+    )
+    problem = DecodeProblem(
+        geometry=geometry,
+        batch_size=batch,
+        query_len=decode_query_len,
+        kv_layout=layout.name,
+        q_dtype=q_t.dtype,
+        out_dtype=out_dtype,
+        device_type=device.type,
+        num_pages=shape.num_pages,
+        max_blocks=table.shape[1],
+        return_lse=return_lse or lse_t is not None,
+    )
+    inputs = DecodeInputs(
+        q=q_t,
+        kv_cache=cache,
+        topk_indices=indices,
+        block_table=table,
+        seq_lens=lens,
+        layout=layout,
+        out=out_t,
+        lse=lse_t,
+        **scales,
+    )
+    return problem, inputs
+
+
+def _first_row(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """The first `(head, row, entry)` where `mask [Hkv, R, K]` is set, ordered by row."""
+    hits = mask.transpose(0, 1).nonzero()  # [(row, head, entry)], row-major
+    if hits.shape[0] == 0:
+        return None
+    row, head, entry = (int(x) for x in hits[0])
+    return head, row, entry
+
+
+def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
+    """The deep checks (SPEC §6), reading device data. Reports the first offending row.
+
+    Checks, in order: `seq_lens` non-negative and within the block table; every `topk_indices`
+    entry is -1 or in `[0, max_blocks)`; no id repeated within one list; every selected visible
+    block maps to a page in `[0, num_pages)`.
+
+    Raises:
+        MSAInputError: naming the argument, the rule and the first offending row.
+    """
+    p, length = problem.geometry.page_size, problem.query_len
+    lens = inputs.seq_lens.long()
+    for b, n in enumerate(lens.tolist()):
+        if n < 0:
+            raise MSAInputError("seq_lens", "lengths >= 0", f"seq_lens[{b}] = {n}")
+        if -(-n // p) > problem.max_blocks:
+            raise MSAInputError(
+                "seq_lens",
+                f"at most max_blocks * page_size = {problem.max_blocks * p} tokens "
+                "(the block table's capacity)",
+                f"seq_lens[{b}] = {n}",
+            )
+
+    def where(head: int, row: int, entry: int) -> str:
+        return f"head {head}, row {row} (request {row // length}, token {row % length}), entry {entry}"
+
+    idx = inputs.topk_indices.long()
+    bad = _first_row((idx < -1) | (idx >= problem.max_blocks))
+    if bad is not None:
+        raise MSAInputError(
+            "topk_indices",
+            f"-1 or a block id in [0, {problem.max_blocks}) (the block table's columns)",
+            f"{int(idx[bad])} at {where(*bad)}",
+        )
+    ordered, order = idx.sort(dim=-1)
+    dup = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    bad = _first_row(dup)
+    if bad is not None:
+        h, r, t = bad
+        entry = int(order[h, r, t + 1])
+        raise MSAInputError(
+            "topk_indices",
+            "distinct block ids within one list",
+            f"{int(ordered[h, r, t])} repeated at {where(h, r, entry)}",
+        )
+    rows = torch.arange(problem.num_rows, device=idx.device)
+    request = rows // length
+    visible = (lens[request] - length + rows % length + 1).clamp(min=0)
+    visible_blocks = (visible + p - 1) // p  # [R]
+    selected = (idx >= 0) & (idx < visible_blocks.view(1, -1, 1))
+    pages = inputs.block_table.long()[request.view(1, -1, 1), idx.clamp(min=0)]
+    bad = _first_row(selected & ((pages < 0) | (pages >= problem.num_pages)))
+    if bad is not None:
+        h, r, t = bad
+        raise MSAInputError(
+            "block_table",
+            f"a page in [0, {problem.num_pages}) for every selected visible block",
+            f"block_table[{r // length}, {int(idx[bad])}] = {int(pages[bad])}, selected at "
+            + where(h, r, t),
+        )
