@@ -1,0 +1,151 @@
+"""`msa demo`: one MiniMax-M3-shaped decode step per layout, run on the best backend available,
+checked against the reference (and the reference against a dense float64 oracle)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from msa.api import select_backend, sparse_decode
+from msa.cli.table import format_table, progress
+from msa.oracle import dense_masked_attention
+from msa.problem import MINIMAX_M3
+from msa.validation import check_decode_inputs
+from msa.workload import make_decode_step
+
+__all__ = ["add_parser", "run"]
+
+DEMO_LAYOUTS = ("bfloat16", "fp8_e4m3", "nvfp4")
+#: Demo tolerances: outputs (bf16, values of order 1) and the fp32 log-sum-exp.
+OUT_TOLERANCE = 2.0**-7
+LSE_TOLERANCE = 1e-3
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run one MiniMax-M3-shaped decode step per layout and check it",
+        description=__doc__,
+    )
+    parser.add_argument("--batch", type=int, default=4, help="decode requests B (default 4)")
+    parser.add_argument("--query-len", type=int, default=1, help="query tokens per request L")
+    parser.add_argument(
+        "--context", type=int, default=8192, help="tokens of context per request (default 8192)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("all",) + DEMO_LAYOUTS + ("fp8", "float16"),
+        default="all",
+        help="KV-cache layout (default: all three)",
+    )
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="M3 TP head layout")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
+    parser.add_argument("--backend", default="auto", help="backend name, or auto")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median reported)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    parser.add_argument(
+        "--no-oracle", action="store_true", help="skip the dense float64 check of the reference"
+    )
+    parser.set_defaults(func=run)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` in microseconds (after one warm-up run)."""
+    fn()
+    samples = []
+    for _ in range(max(repeats, 1)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    geometry = MINIMAX_M3.tensor_parallel(args.tp)
+    layouts = DEMO_LAYOUTS if args.layout == "all" else (args.layout,)
+    print(
+        f"msa demo: MiniMax-M3 TP{args.tp} ({geometry.describe()}), B={args.batch}, "
+        f"L={args.query_len}, context {args.context} tokens, on {device}"
+    )
+    rows = []
+    worst = 0.0
+    for name in progress(layouts, "layout"):
+        step = make_decode_step(
+            geometry,
+            batch_size=args.batch,
+            decode_query_len=args.query_len,
+            context_len=args.context,
+            kv_cache_dtype=name,
+            device=device,
+            seed=args.seed,
+        )
+        problem, _ = check_decode_inputs(**step.kwargs())
+        backend = select_backend(problem, args.backend)
+        kwargs = step.kwargs()
+        out, lse = sparse_decode(**kwargs, backend=backend.name, return_lse=True, validate=True)
+        micros = _timed(lambda: sparse_decode(**kwargs, backend=backend.name), device, args.repeats)
+        ref_out, ref_lse = sparse_decode(**kwargs, backend="reference", return_lse=True)
+        err = (out.float() - ref_out.float()).abs().max().item()
+        bound = OUT_TOLERANCE * max(ref_out.float().abs().max().item(), 1.0)
+        worst = max(worst, err / bound)
+        out_err: float | str = "-"
+        lse_err: float | str = "-"
+        if not args.no_oracle:
+            dense_out, dense_lse = dense_masked_attention(
+                step.q,
+                step.kv_cache,
+                step.topk_indices,
+                step.block_table,
+                step.seq_lens,
+                layout=step.layout,
+                decode_query_len=step.decode_query_len,
+                k_scale=step.k_scale,
+                v_scale=step.v_scale,
+            )
+            oracle_out = (ref_out.double() - dense_out).abs().max().item()
+            oracle_lse = (ref_lse.double() - dense_lse).abs().max().item()
+            worst = max(worst, oracle_out / bound, oracle_lse / LSE_TOLERANCE)
+            out_err, lse_err = oracle_out, oracle_lse
+        rows.append(
+            [
+                backend.name,
+                step.layout.name,
+                f"{problem.num_rows}x{geometry.num_q_heads}x{geometry.head_dim}",
+                round(micros / 1e3, 3),
+                err,
+                out_err,
+                lse_err,
+            ]
+        )
+    print(
+        format_table(
+            [
+                "backend",
+                "layout",
+                "q shape",
+                "time (ms)",
+                "err vs reference",
+                "ref vs oracle: out",
+                "lse",
+            ],
+            rows,
+        )
+    )
+    ok = worst <= 1.0
+    print(
+        ("OK" if ok else "FAILED")
+        + f": outputs within {OUT_TOLERANCE:.0e} x max(|out|, 1) (bf16 rounding and fp32 "
+        f"accumulation), LSE within {LSE_TOLERANCE:.0e}; worst {worst:.2f} of the tolerance"
+    )
+    return 0 if ok else 1

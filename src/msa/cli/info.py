@@ -1,0 +1,54 @@
+"""`msa layouts` and `msa version`: what this installation offers."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from msa.api import available_backends
+from msa.cli.table import format_table
+from msa.layouts import LAYOUT_NAMES, get_layout
+from msa.problem import MINIMAX_M3
+
+__all__ = ["add_parsers"]
+
+
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    layouts = subparsers.add_parser("layouts", help="list the KV-cache layouts and their sizes")
+    layouts.add_argument("--head-dim", type=int, default=MINIMAX_M3.head_dim)
+    layouts.set_defaults(func=run_layouts)
+    version = subparsers.add_parser("version", help="versions of msa, torch and the device")
+    version.set_defaults(func=run_version)
+
+
+def run_layouts(args: argparse.Namespace) -> int:
+    rows = []
+    for name in LAYOUT_NAMES:
+        layout = get_layout(name)
+        shape = layout.cache_shape(1, 1, 1, args.head_dim)
+        rows.append(
+            [
+                name,
+                layout.name,
+                str(layout.storage_dtype).removeprefix("torch."),
+                "[pages, " + ("2*Hkv" if shape[1] == 2 else "Hkv") + f", P, {shape[-1]}]",
+                layout.bytes_per_token(args.head_dim),
+            ]
+        )
+    print(
+        format_table(
+            ["kv_cache_dtype", "layout", "storage", f"cache (D={args.head_dim})", "bytes/token/head"],
+            rows,
+        )
+    )
+    return 0
+
+
+def run_version(args: argparse.Namespace) -> int:
+    from msa import __version__
+
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    print(f"msa {__version__}, torch {torch.__version__}, CUDA device: {cuda}")
+    print("backends: " + ", ".join(b.name for b in available_backends()))
+    return 0

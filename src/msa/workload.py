@@ -1,0 +1,171 @@
+"""Realistic decode steps: a cache written through the layout's writer, scattered pages, and
+top-k lists shaped like an indexer's. Shared by `msa demo`, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from msa.layouts import KVLayout, get_layout
+from msa.problem import Geometry
+
+__all__ = ["DecodeStep", "make_decode_step", "indexer_topk", "DEFAULT_SCALES"]
+
+#: Dequantization scales the generator writes with, per layout (N(0, 1) data): FP8 stores
+#: 16x the value; the NVFP4 global scale admits |x| <= 8 without saturating the block scales.
+DEFAULT_SCALES: dict[str, float] = {"fp8_e4m3": 2.0**-4, "nvfp4": 8.0 / (6.0 * 448.0)}
+
+_WRITE_CHUNK = 1 << 16  # tokens per writer call
+
+
+@attrs.frozen(eq=False)
+class DecodeStep:
+    """One decode step's inputs, ready for `msa.sparse_decode(**step.kwargs())`.
+
+    Attributes:
+        geometry: heads, head dim, page size, top-k.
+        layout: the cache layout.
+        decode_query_len: `L`.
+        q: `[B*L, Hq, D]`.
+        kv_cache: the cache.
+        topk_indices: int32 `[Hkv, B*L, K]` (a head-major view of a token-major buffer).
+        block_table: int32 `[B, max_blocks]`.
+        seq_lens: int32 `[B]`.
+        k_scale, v_scale: one-element fp32 tensors.
+    """
+
+    geometry: Geometry
+    layout: KVLayout
+    decode_query_len: int
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    topk_indices: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `msa.sparse_decode`."""
+        return {
+            "q": self.q,
+            "kv_cache": self.kv_cache,
+            "topk_indices": self.topk_indices,
+            "block_table": self.block_table,
+            "seq_lens": self.seq_lens,
+            "decode_query_len": self.decode_query_len,
+            "kv_cache_dtype": self.layout.name,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+        }
+
+
+def indexer_topk(
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    num_kv_heads: int,
+    topk: int,
+    page_size: int,
+    max_blocks: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Top-k lists as an indexer produces them: block 0 and the token's own last block always
+    chosen, the rest distinct random visible blocks, in score order, `-1`-padded when fewer than
+    `topk` blocks are visible.
+
+    Returns:
+        int32 `[Hkv, B*L, K]`: a head-major view (strides of the transpose) of a token-major
+        `[B*L, Hkv, K]` buffer, as serving engines hold it.
+    """
+    device = seq_lens.device
+    length = decode_query_len
+    rows = torch.arange(seq_lens.shape[0] * length, device=device)
+    visible = (seq_lens.long()[rows // length] - length + rows % length + 1).clamp(min=0)
+    blocks = ((visible + page_size - 1) // page_size).clamp(max=max_blocks).view(-1, 1, 1)
+    col = torch.arange(max_blocks, device=device).view(1, 1, -1)
+    score = torch.rand(
+        (rows.shape[0], num_kv_heads, max_blocks), generator=generator, device=device
+    )
+    score = torch.where(col < blocks, score, -1.0)
+    forced = ((col == 0) | (col == blocks - 1)) & (col < blocks)
+    score = torch.where(forced, 2.0, score)
+    values, ids = score.topk(min(topk, max_blocks), dim=-1)
+    ids = torch.where(values >= 0, ids, -1).int()
+    if topk > max_blocks:
+        ids = torch.nn.functional.pad(ids, (0, topk - max_blocks), value=-1)
+    return ids.contiguous().transpose(0, 1)
+
+
+def make_decode_step(
+    geometry: Geometry,
+    *,
+    batch_size: int,
+    decode_query_len: int = 1,
+    context_len: int = 8192,
+    kv_cache_dtype: str = "bfloat16",
+    q_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+) -> DecodeStep:
+    """Build a decode step of `batch_size` requests whose contexts are up to `context_len` tokens.
+
+    Each request's length is `context_len` minus a random part of a page (so last pages are
+    partly visible); its pages are scattered over the cache at random; every token's K and V
+    (N(0, 1)) go through the layout's writer with `DEFAULT_SCALES`.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
+    g, layout = geometry, get_layout(kv_cache_dtype)
+    p, length = g.page_size, decode_query_len
+    max_blocks = max(1, -(-context_len // p))
+    num_pages = batch_size * max_blocks + 1
+    jitter = torch.randint(0, p, (batch_size,), generator=generator, device=device)
+    seq_lens = (context_len - jitter).clamp(min=length).int()
+    block_table = (
+        torch.randperm(num_pages, generator=generator, device=device)[: batch_size * max_blocks]
+        .view(batch_size, max_blocks)
+        .int()
+    )
+    cache = layout.allocate(num_pages, g.num_kv_heads, p, g.head_dim, device=device)
+    scale = torch.full((1,), DEFAULT_SCALES.get(layout.name, 1.0), device=device)
+    token = torch.arange(max_blocks * p, device=device).view(1, -1)
+    slots = block_table.long().repeat_interleave(p, dim=1) * p + token % p
+    slots = slots[token.expand(batch_size, -1) < seq_lens.view(-1, 1)]
+    kv_dtype = torch.float16 if layout.storage_dtype == torch.float16 else torch.bfloat16
+    for start in range(0, slots.shape[0], _WRITE_CHUNK):
+        chunk = slots[start : start + _WRITE_CHUNK]
+        shape = (chunk.shape[0], g.num_kv_heads, g.head_dim)
+        key = torch.randn(shape, generator=generator, device=device).to(kv_dtype)
+        value = torch.randn(shape, generator=generator, device=device).to(kv_dtype)
+        layout.write(cache, key, value, chunk, k_scale=scale, v_scale=scale)
+    q = torch.randn(
+        (batch_size * length, g.num_q_heads, g.head_dim), generator=generator, device=device
+    ).to(q_dtype)
+    topk = indexer_topk(
+        seq_lens,
+        decode_query_len=length,
+        num_kv_heads=g.num_kv_heads,
+        topk=g.topk,
+        page_size=p,
+        max_blocks=max_blocks,
+        generator=generator,
+    )
+    return DecodeStep(
+        geometry=g,
+        layout=layout,
+        decode_query_len=length,
+        q=q,
+        kv_cache=cache,
+        topk_indices=topk,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        k_scale=scale,
+        v_scale=scale.clone(),
+    )

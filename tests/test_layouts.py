@@ -1,0 +1,216 @@
+"""Layouts: names, allocation, writer semantics, round trips and NVFP4 bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from msa.errors import MSAInputError
+from msa.layouts import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, NVFP4, get_layout, layout_for_cache
+from msa.layouts.nvfp4 import E2M1_VALUES, e2m1_encode
+
+from naive import dequantize as naive_dequantize
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [("auto", AUTO), ("bfloat16", BFLOAT16), ("float16", FLOAT16), ("fp8", FP8_E4M3),
+     ("fp8_e4m3", FP8_E4M3), ("nvfp4", NVFP4)],
+)
+def test_get_layout_names(name: str, layout: object) -> None:
+    assert get_layout(name) is layout
+
+
+def test_unknown_layout_name() -> None:
+    with pytest.raises(MSAInputError, match=r"kv_cache_dtype: expected one of .*'nvfp4'.*got 'int4'"):
+        get_layout("int4")
+
+
+@pytest.mark.parametrize(
+    "dtype, name",
+    [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
+     (torch.float8_e4m3fn, "fp8_e4m3"), (torch.uint8, "nvfp4")],
+)
+def test_layout_inferred_from_cache_dtype(dtype: torch.dtype, name: str) -> None:
+    cache = torch.zeros((2, 4, 16, 72), dtype=dtype)
+    assert layout_for_cache(cache).name == name
+    assert layout_for_cache(torch.zeros((1, 1, 16, 8), dtype=torch.float16), "auto") is FLOAT16
+
+
+def test_layout_name_disagreeing_with_cache_dtype() -> None:
+    cache = torch.zeros((2, 2, 16, 128), dtype=torch.bfloat16)
+    with pytest.raises(MSAInputError, match=r"kv_cache: expected dtype torch.float8_e4m3fn.*got torch.bfloat16"):
+        layout_for_cache(cache, "fp8")
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8", "nvfp4"])
+def test_allocate_shapes(name: str) -> None:
+    layout = get_layout(name)
+    cache = layout.allocate(3, 2, 16, 128)
+    expected = (3, 4, 16, 72) if name == "nvfp4" else (3, 2, 16, 256)
+    assert tuple(cache.shape) == expected and cache.dtype == layout.storage_dtype
+    shape = layout.inspect(cache)
+    assert (shape.num_pages, shape.num_kv_heads, shape.page_size, shape.head_dim) == (3, 2, 16, 128)
+    k, v = layout.dequantize(cache)
+    assert k.shape == v.shape == (3, 2, 16, 128) and k.dtype == torch.float32
+    assert (k == 0).all() and (v == 0).all()
+
+
+def test_allocate_rejects_bad_geometry() -> None:
+    with pytest.raises(MSAInputError, match="head_dim: expected a multiple of 32 for nvfp4, got 48"):
+        NVFP4.allocate(1, 1, 16, 48)
+    with pytest.raises(MSAInputError, match="page_size: expected a multiple of 4"):
+        NVFP4.allocate(1, 1, 6, 64)
+    with pytest.raises(MSAInputError, match="num_pages: expected a positive int, got 0"):
+        BFLOAT16.allocate(0, 1, 16, 64)
+
+
+def _write_all(layout_name: str, gen: torch.Generator, scale: float | None = None, magnitude: float = 1.0):
+    layout = get_layout(layout_name)
+    pages, hkv, p, d = 5, 2, 16, 64
+    cache = layout.allocate(pages, hkv, p, d)
+    n = 50
+    key = (torch.randn((n, hkv, d), generator=gen) * magnitude).to(torch.bfloat16)
+    value = (torch.randn((n, hkv, d), generator=gen) * magnitude).to(torch.bfloat16)
+    slots = torch.randperm(pages * p, generator=gen)[:n]
+    slots[::7] = -1
+    k_s, v_s = layout.write(cache, key, value, slots, k_scale=scale, v_scale=scale)
+    k, v = layout.dequantize(cache, k_scale=k_s, v_scale=v_s)
+    keep = slots >= 0
+    page, off = slots[keep] // p, slots[keep] % p
+    return layout, cache, key[keep].float(), value[keep].float(), k[page, :, off], v[page, :, off], k_s
+
+
+def test_bf16_round_trip_is_exact_and_skips_padding(gen: torch.Generator) -> None:
+    layout, cache, key, value, k, v, _ = _write_all("bfloat16", gen)
+    assert torch.equal(k, key) and torch.equal(v, value)
+    written = int((cache != 0).any(dim=(1, 3)).sum())
+    assert written == key.shape[0], "exactly the non-padding tokens land in the cache"
+
+
+def test_fp16_round_trip_is_exact(gen: torch.Generator) -> None:
+    layout = FLOAT16
+    cache = layout.allocate(2, 1, 16, 64)
+    key = torch.randn((32, 1, 64), generator=gen).half()
+    layout.write(cache, key, -key, torch.arange(32))
+    k, v = layout.dequantize(cache)
+    assert torch.equal(k.view(32, 1, 64), key.float()) and torch.equal(v.view(32, 1, 64), -key.float())
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.04])  # |x| <= ~15 stays below 448 * scale
+def test_fp8_round_trip_within_e4m3_rounding(scale: float, gen: torch.Generator) -> None:
+    _, _, key, value, k, v, _ = _write_all("fp8", gen, scale=scale, magnitude=3.0)
+    for x, y in ((key, k), (value, v)):
+        # half an e4m3 ulp: 2^-4 relative for normals, 2^-10 * scale absolute for subnormals
+        bound = 2.0**-4 * x.abs() + 2.0**-10 * scale
+        assert ((x - y).abs() <= bound * (1 + 1e-6)).all()
+        assert ((x - y).abs() > 0).any(), "fp8 must actually round"
+
+
+def test_fp8_writer_saturates() -> None:
+    cache = FP8_E4M3.allocate(1, 1, 16, 64)
+    key = torch.full((1, 1, 64), 1000.0, dtype=torch.bfloat16)
+    FP8_E4M3.write(cache, key, -key, torch.tensor([0]), k_scale=1.0, v_scale=1.0)
+    k, v = FP8_E4M3.dequantize(cache)
+    assert (k[0, 0, 0] == 448).all() and (v[0, 0, 0] == -448).all()
+
+
+def _grid_distance(r: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(sorted(set(abs(x) for x in E2M1_VALUES)))
+    return (r.abs().clamp(max=6.0).unsqueeze(-1) - grid).abs().min(dim=-1).values
+
+
+@pytest.mark.parametrize("explicit_scale", [False, True])
+def test_nvfp4_round_trip_bound_and_nearest_codes(explicit_scale: bool, gen: torch.Generator) -> None:
+    """Bound: |x - x'| <= (17/96) * amax_16 + 6 * 2^-10 * global per element, where amax_16 is the
+    largest magnitude of the element's 16-group. (The E4M3 block scale is within 1/16 of
+    amax/6/global; E2M1 rounds to within one step of amax/6; subnormal scales add at most
+    6 * 2^-10 * global.) Also: each code is a nearest E2M1 value of x / step."""
+    scale = torch.tensor([16.0 / 2688]) if explicit_scale else None  # admits |x| <= 16
+    layout, cache, key, value, k, v, k_s = _write_all("nvfp4", gen, scale=scale, magnitude=2.0)
+    if not explicit_scale:
+        assert torch.allclose(k_s, key.abs().max() / 2688)
+    g = float(k_s)
+    for x, y in ((key, k), (value, v)):
+        amax = x.view(-1, 16).abs().amax(-1, keepdim=True).expand(-1, 16).reshape(x.shape)
+        err = (x - y).abs()
+        assert (err <= 17 / 96 * amax + 6 * 2.0**-10 * g + 1e-7).all(), float((err - 17 / 96 * amax).max())
+        assert (err > 0).any()
+    # nearest-code property, from the stored scale bytes
+    naive_k, _ = naive_dequantize("nvfp4", cache, 1.0, 1.0)
+    assert np.allclose(naive_k * g, layout.dequantize(cache, k_scale=k_s)[0].numpy())
+
+
+def test_nvfp4_hand_computed_bytes() -> None:
+    """D=32 (two 16-groups), P=4, one KV head, global scale 1.0: every byte by hand."""
+    a = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 0]
+    codes_a = [0x10, 0x32, 0x54, 0x76, 0xA9, 0xCB, 0xED, 0x0F]  # (2d low nibble, 2d+1 high)
+    t = torch.tensor
+    groups = [  # (group 0 values, group 1 values) per token; block scale = amax / 6
+        ([x * 0.5 for x in a], [x * 2 for x in a]),  # scales 0.5 (0x30), 2.0 (0x40)
+        (a, [0.0] * 16),  # 1.0 (0x38), 0 (0x00)
+        ([x * 4 for x in a], [x * 0.25 for x in a]),  # 4.0 (0x48), 0.25 (0x28)
+        ([x * 1.5 for x in a], a),  # 1.5 (0x3C), 1.0 (0x38)
+    ]
+    key = t([g0 + g1 for g0, g1 in groups], dtype=torch.bfloat16).view(4, 1, 32)
+    cache = NVFP4.allocate(2, 1, 4, 32)
+    assert tuple(cache.shape) == (2, 2, 4, 18)
+    # token 4 is padding (-1); tokens 0..3 go to page 1, slots 3, 2, 1, 0 reversed then sorted
+    slots = t([7, 6, 5, 4, -1])
+    k_in = torch.cat([key.flip(0), key[:1]])
+    NVFP4.write(cache, k_in, k_in, slots, k_scale=t([1.0]), v_scale=t([1.0]))
+    zero = [0x00] * 8
+    code_bytes = codes_a * 2 + codes_a + zero + codes_a * 2 + codes_a * 2
+    k_scales = [0x30, 0x40, 0x38, 0x00, 0x48, 0x28, 0x3C, 0x38]  # linear: t*2 + g
+    v_scales = [0x30, 0x38, 0x48, 0x3C, 0x40, 0x00, 0x28, 0x38]  # quads: g*4 + t
+    flat = cache.view(2, 2, 72)
+    assert flat[1, 0].tolist() == code_bytes + k_scales
+    assert flat[1, 1].tolist() == code_bytes + v_scales
+    assert (flat[0] == 0).all(), "page 0 untouched"
+    k, v = NVFP4.dequantize(cache)
+    assert torch.equal(k[1, 0], key.view(4, 32).float()) and torch.equal(v[1, 0], k[1, 0])
+
+
+def test_e2m1_rounds_to_nearest_even_and_saturates() -> None:
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 100.0, -0.1, -0.3, -5.0, 0.0])
+    want = [0, 2, 2, 4, 4, 6, 6, 7, 7, 8, 9, 14, 0]
+    assert e2m1_encode(x).tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=-20, max_value=20, allow_nan=False, width=32))
+def test_e2m1_code_is_a_nearest_value(x: float) -> None:
+    code = int(e2m1_encode(torch.tensor([x]))[0])
+    value = E2M1_VALUES[code]
+    target = max(min(x, 6.0), -6.0)
+    best = min(abs(target - v) for v in E2M1_VALUES)
+    assert abs(target - value) == best
+    assert (code >= 8) == (x < 0)
+
+
+def test_writer_skips_out_of_range_slots_or_raises_when_validating(gen: torch.Generator) -> None:
+    cache = BFLOAT16.allocate(2, 1, 16, 64)
+    key = torch.ones((3, 1, 64), dtype=torch.bfloat16)
+    BFLOAT16.write(cache, key, key, torch.tensor([0, 32, 99]))
+    assert int((cache != 0).any(dim=-1).sum()) == 1
+    with pytest.raises(MSAInputError, match=r"slot_mapping: expected -1 or a slot in \[0, 32\).*got 32 for token 1"):
+        BFLOAT16.write(cache, key, key, torch.tensor([0, 32, 99]), validate=True)
+
+
+def test_writer_input_errors() -> None:
+    cache = BFLOAT16.allocate(2, 2, 16, 64)
+    good = torch.zeros((4, 2, 64), dtype=torch.bfloat16)
+    slots = torch.arange(4)
+    with pytest.raises(MSAInputError, match=r"key: expected \[num_tokens, 2, 64\] bf16/fp16, got shape \(4, 3, 64\)"):
+        BFLOAT16.write(cache, torch.zeros((4, 3, 64), dtype=torch.bfloat16), good, slots)
+    with pytest.raises(MSAInputError, match=r"value: expected .* got dtype torch.float32"):
+        BFLOAT16.write(cache, good, good.float(), slots)
+    with pytest.raises(MSAInputError, match=r"slot_mapping: expected 4 entries \(one per key token\), got 3"):
+        BFLOAT16.write(cache, good, good, torch.arange(3))
+    with pytest.raises(MSAInputError, match=r"slot_mapping: expected a 1-D int64"):
+        BFLOAT16.write(cache, good, good, slots.float())
+    with pytest.raises(MSAInputError, match=r"k_scale: expected a one-element float32 tensor"):
+        BFLOAT16.write(cache, good, good, slots, k_scale=torch.ones(2))

@@ -1,0 +1,189 @@
+"""Every validation error (SPEC §6): the argument, the expectation and what was given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa.errors import MSAError, MSAInputError, MSAUnsupportedError
+from msa.validation import check_decode_inputs
+
+B, L, HQ, HKV, D, P, K, MB, PAGES = 2, 2, 8, 2, 64, 16, 4, 4, 10
+
+
+def good(**changes: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        q=torch.randn(B * L, HQ, D).bfloat16(),
+        kv_cache=torch.randn(PAGES, HKV, P, 2 * D).bfloat16(),
+        topk_indices=torch.tensor([0, 1, 2, -1], dtype=torch.int32).repeat(HKV, B * L, 1),
+        block_table=torch.arange(B * MB, dtype=torch.int32).view(B, MB),
+        seq_lens=torch.tensor([40, 64], dtype=torch.int32),
+        decode_query_len=L,
+    )
+    kw.update(changes)
+    return kw
+
+
+def fails(match: str, **changes: Any) -> None:
+    with pytest.raises(MSAInputError, match=match):
+        msa.sparse_decode(**good(**changes))
+
+
+def test_good_inputs_pass_with_deep_checks() -> None:
+    out = msa.sparse_decode(**good(), validate=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (B * L, HQ, D)
+    problem, _ = check_decode_inputs(**good())
+    assert problem.geometry == msa.Geometry(HQ, HKV, D, P, K)
+    assert (problem.batch_size, problem.query_len, problem.kv_layout) == (B, L, "bfloat16")
+
+
+def test_errors_are_msa_and_value_errors() -> None:
+    with pytest.raises(MSAError):
+        msa.sparse_decode(**good(q=None))
+    with pytest.raises(ValueError):
+        msa.sparse_decode(**good(q=None))
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(q=None), r"^q: expected a torch.Tensor, got NoneType"),
+        (dict(q=torch.zeros(4, 8)), r"^q: expected a 3-D tensor \[B\*L, Hq, D\], got shape \(4, 8\)"),
+        (dict(q=torch.zeros(4, 8, 64)), r"^q: expected dtype bfloat16, float16 or float8_e4m3fn, got torch.float32"),
+        (dict(q=torch.zeros(4, 64, 8).bfloat16().transpose(1, 2)), r"^q: expected unit stride in the last dimension"),
+        (dict(q=torch.zeros(4, 8, 32).bfloat16()), r"^q: expected head dim 64 \(the head dim of kv_cache\), got head dim 32"),
+        (dict(q=torch.zeros(4, 7, 64).bfloat16()), r"^q: expected a number of heads divisible by the cache's 2 KV heads, got 7 heads"),
+        (dict(q=torch.zeros(6, 8, 64).bfloat16()), r"^q: expected B\*L = 2\*2 = 4 rows .* got 6 rows"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, P, 2 * D)), r"^kv_cache: expected dtype bfloat16, float16, float8_e4m3fn or uint8"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, 2 * D).bfloat16()), r"^kv_cache: expected a 4-D tensor \[pages, Hkv, P, 2\*D\], got shape"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, P, 2 * D + 1).bfloat16()), r"^kv_cache: expected an even last dimension"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, 2 * D, P).bfloat16().transpose(2, 3)), r"^kv_cache: expected unit stride in the last dimension"),
+        (dict(kv_cache=torch.zeros(PAGES, 2 * HKV, P, 70, dtype=torch.uint8)), r"^kv_cache: expected nvfp4 shape \[pages, 2\*Hkv, P, D/2 \+ D/16\]"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, P, 2 * D).bfloat16(), kv_cache_dtype="fp8"), r"^kv_cache: expected dtype torch.float8_e4m3fn for the 'fp8_e4m3' layout, got torch.bfloat16"),
+        (dict(kv_cache_dtype="fp4"), r"^kv_cache_dtype: expected one of 'auto', .*got 'fp4'"),
+        (dict(kv_cache=torch.zeros(PAGES, HKV, P, 2 * D, device="meta").bfloat16()), r"^kv_cache: expected a tensor on cpu \(the device of q\), got meta"),
+        (dict(decode_query_len=0), r"^decode_query_len: expected an int >= 1, got 0"),
+        (dict(decode_query_len=True), r"^decode_query_len: expected an int >= 1, got True"),
+        (dict(decode_query_len=2.0), r"^decode_query_len: expected an int >= 1, got 2.0"),
+        (dict(seq_lens=torch.tensor([40, 64])), r"^seq_lens: expected an int32 tensor \[B\], got torch.int64 of shape \(2,\)"),
+        (dict(seq_lens=[40, 64]), r"^seq_lens: expected a torch.Tensor, got list"),
+        (dict(block_table=torch.zeros(B, MB, dtype=torch.int64)), r"^block_table: expected an int32 tensor \[B, max_blocks\], got torch.int64"),
+        (dict(block_table=torch.zeros(3, MB, dtype=torch.int32)), r"^block_table: expected shape \[2, max_blocks >= 1\] \(B from seq_lens\), got \(3, 4\)"),
+        (dict(block_table=torch.zeros(MB, B, dtype=torch.int32).t()), r"^block_table: expected unit stride in the last dimension"),
+        (dict(block_table=torch.zeros(B, MB, dtype=torch.int32, device="meta")), r"^block_table: expected a tensor on cpu \(the device of q\), got meta"),
+        (dict(topk_indices=torch.zeros(HKV, B * L, K)), r"^topk_indices: expected an int32 tensor \[Hkv, B\*L, K\], got torch.float32"),
+        (dict(topk_indices=torch.zeros(B * L, HKV, K, dtype=torch.int32)), r"^topk_indices: expected shape \[2, 4, K >= 1\] .*\.transpose\(0, 1\).*got \(4, 2, 4\)"),
+        (dict(topk_indices=torch.zeros(HKV, B * L, 0, dtype=torch.int32)), r"^topk_indices: expected shape \[2, 4, K >= 1\]"),
+        (dict(sm_scale="0.1"), r"^sm_scale: expected a float or a one-element fp32 tensor, got str"),
+        (dict(q_scale=True), r"^q_scale: expected a float or a one-element fp32 tensor, got True"),
+        (dict(k_scale=torch.ones(2)), r"^k_scale: expected a one-element float32 tensor, got a torch.float32 tensor of shape \(2,\)"),
+        (dict(v_scale=torch.ones(1, dtype=torch.float64)), r"^v_scale: expected a one-element float32 tensor, got a torch.float64"),
+        (dict(k_scale=torch.ones(1, device="meta")), r"^k_scale: expected a tensor on cpu \(the device of the data it scales\), got a tensor on meta"),
+        (dict(out=torch.zeros(B * L, HQ, D)), r"^out: expected a torch.bfloat16 tensor of shape \(4, 8, 64\), got torch.float32 of shape"),
+        (dict(out=torch.zeros(B * L, HQ, D + 1).bfloat16()), r"^out: expected a torch.bfloat16 tensor of shape \(4, 8, 64\)"),
+        (dict(out=torch.zeros(B * L, D, HQ).bfloat16().transpose(1, 2)), r"^out: expected unit stride in the last dimension"),
+        (dict(lse=torch.zeros(B * L, HQ).bfloat16()), r"^lse: expected a torch.float32 tensor of shape \(4, 8\), got torch.bfloat16"),
+    ],
+)
+def test_cheap_checks(changes: dict[str, Any], match: str) -> None:
+    fails(match, **changes)
+
+
+def test_fp8_queries_need_bf16_out() -> None:
+    q = torch.randn(B * L, HQ, D).to(torch.float8_e4m3fn)
+    fails(r"^out: expected a torch.bfloat16 tensor", q=q, out=torch.zeros(B * L, HQ, D).to(torch.float8_e4m3fn))
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(MSAInputError, match=r"^backend: expected 'auto' or one of 'reference', got 'cuda'"):
+        msa.sparse_decode(**good(), backend="cuda")
+
+
+def deep(match: str, **changes: Any) -> None:
+    with pytest.raises(MSAInputError, match=match):
+        msa.sparse_decode(**good(**changes), validate=True)
+    msa.sparse_decode(**good(**changes))  # without validate=True the step still runs (entries skipped)
+
+
+def _ids(row: int, head: int, values: list[int]) -> torch.Tensor:
+    ids = good()["topk_indices"].clone()
+    ids[head, row] = torch.tensor(values, dtype=torch.int32)
+    return ids
+
+
+def test_deep_checks_index_range() -> None:
+    deep(
+        r"^topk_indices: expected -1 or a block id in \[0, 4\) .*got 4 at head 1, row 3 \(request 1, token 1\), entry 2",
+        topk_indices=_ids(3, 1, [0, 1, 4, -1]),
+    )
+    deep(r"^topk_indices: expected -1 or .*got -2 at head 0, row 1", topk_indices=_ids(1, 0, [-2, 1, 2, 3]))
+
+
+def test_deep_checks_first_row_is_reported() -> None:
+    ids = _ids(3, 0, [9, -1, -1, -1])
+    ids[1, 2, 0] = 7
+    deep(r"got 7 at head 1, row 2 \(request 1, token 0\), entry 0", topk_indices=ids)
+
+
+def test_deep_checks_duplicates() -> None:
+    deep(
+        r"^topk_indices: expected distinct block ids within one list, got 2 repeated at head 0, row 2 \(request 1, token 0\), entry 3",
+        topk_indices=_ids(2, 0, [2, 1, -1, 2]),
+    )
+    msa.sparse_decode(**good(topk_indices=_ids(2, 0, [-1, 1, -1, -1])), validate=True)  # -1 may repeat
+
+
+def test_deep_checks_pages() -> None:
+    table = good()["block_table"].clone()
+    table[1, 1] = -1
+    deep(
+        r"^block_table: expected a page in \[0, 10\) for every selected visible block, got block_table\[1, 1\] = -1, selected at head 0, row 2",
+        block_table=table,
+    )
+    table[1, 1] = 10
+    deep(r"got block_table\[1, 1\] = 10", block_table=table)
+    table = good()["block_table"].clone()
+    table[0, 3] = -1  # request 0 sees 39..40 tokens: block 3 not visible, its page may be anything
+    msa.sparse_decode(**good(block_table=table, topk_indices=_ids(0, 0, [3, 0, -1, -1])), validate=True)
+
+
+def test_deep_checks_seq_lens() -> None:
+    deep(r"^seq_lens: expected lengths >= 0, got seq_lens\[0\] = -1", seq_lens=torch.tensor([-1, 3], dtype=torch.int32))
+    deep(
+        r"^seq_lens: expected at most max_blocks \* page_size = 64 tokens .*got seq_lens\[1\] = 65",
+        seq_lens=torch.tensor([3, 65], dtype=torch.int32),
+    )
+
+
+def test_msa_validate_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = good(topk_indices=_ids(2, 0, [2, 1, -1, 2]))
+    msa.sparse_decode(**bad)
+    monkeypatch.setenv("MSA_VALIDATE", "1")
+    with pytest.raises(MSAInputError, match="distinct block ids"):
+        msa.sparse_decode(**bad)
+
+
+def test_unsupported_error_lists_reasons() -> None:
+    err = MSAUnsupportedError("no backend", {"a": ["needs CUDA", "P must be 128"], "b": ["L > 8"]})
+    assert str(err) == "no backend\n  a: needs CUDA; P must be 128\n  b: L > 8"
+    assert err.reasons["b"] == ["L > 8"] and isinstance(err, MSAError)
+
+
+def test_geometry_validation() -> None:
+    with pytest.raises(MSAInputError, match=r"^num_q_heads: expected a multiple of num_kv_heads=4, got 6"):
+        msa.Geometry(6, 4, 128, 128, 16)
+    with pytest.raises(MSAInputError, match=r"^head_dim: expected a positive int, got 0"):
+        msa.Geometry(8, 1, 0, 128, 16)
+    with pytest.raises(MSAInputError, match=r"^tp_size: expected a positive divisor of num_q_heads=64, got 3"):
+        msa.MINIMAX_M3.tensor_parallel(3)
+
+
+def test_minimax_geometries() -> None:
+    heads = {tp: (g.num_q_heads, g.num_kv_heads) for tp, g in msa.MINIMAX_M3_TP.items()}
+    assert heads == {1: (64, 4), 2: (32, 2), 4: (16, 1), 8: (8, 1)}
+    m3 = msa.MINIMAX_M3
+    assert (m3.head_dim, m3.page_size, m3.topk, m3.group_size) == (128, 128, 16, 16)
+    assert {m3: 1}[msa.Geometry(64, 4, 128, 128, 16)] == 1  # hashable value: usable as a key
