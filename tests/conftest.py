@@ -35,3 +35,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     seeds = [v for k, v in item.user_properties if k == "seed"]
     if report.failed and seeds:
         report.sections.append(("seed", f"replay with MSA_TEST_SEED={seeds[0]}"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
