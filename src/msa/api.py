@@ -4,46 +4,31 @@ from __future__ import annotations
 
 import torch
 
-from msa.backends import Backend, builtin_backends
-from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.backends.base import Backend
+from msa.platform import detect
+from msa.policy import default_policy
 from msa.problem import DecodeProblem
+from msa.registry import get_registry
 from msa.scales import Scale
 from msa.validation import check_decode_data, check_decode_inputs, validation_requested
 
 __all__ = ["sparse_decode", "select_backend", "available_backends"]
 
-_BACKENDS: dict[str, Backend] = {b.name: b for b in builtin_backends()}
-
 
 def available_backends() -> list[Backend]:
-    """Every registered backend, in priority order."""
-    return list(_BACKENDS.values())
+    """Every registered backend, highest priority first."""
+    return get_registry().backends()
 
 
 def select_backend(problem: DecodeProblem, backend: str = "auto") -> Backend:
-    """The backend that will run `problem`: the first qualified one for "auto", else the named one.
+    """The backend that will run `problem` on its device (see `msa.policy`).
 
     Raises:
         MSAInputError: an unknown backend name.
         MSAUnsupportedError: the named backend (or, for "auto", every backend) cannot serve
             `problem`; the message lists each refusal's reasons.
     """
-    if backend == "auto":
-        reasons: dict[str, list[str]] = {}
-        for candidate in _BACKENDS.values():
-            why = candidate.not_supported_reasons(problem)
-            if not why:
-                return candidate
-            reasons[candidate.name] = why
-        raise MSAUnsupportedError("no msa backend can run this step:", reasons)
-    if backend not in _BACKENDS:
-        raise MSAInputError(
-            "backend", "'auto' or one of " + ", ".join(repr(n) for n in _BACKENDS), repr(backend)
-        )
-    chosen = _BACKENDS[backend]
-    why = chosen.not_supported_reasons(problem)
-    if why:
-        raise MSAUnsupportedError(f"backend {backend!r} cannot run this step:", {backend: why})
+    chosen, _ = default_policy().select(problem, detect(problem.device_type), backend)
     return chosen
 
 
@@ -117,7 +102,7 @@ def sparse_decode(
     )
     if validation_requested(validate):
         check_decode_data(problem, inputs)
-    chosen = select_backend(problem, backend)
+    chosen, _ = default_policy().select(problem, detect(q.device), backend)
     g = problem.geometry
     out_t = inputs.out
     if out_t is None:
@@ -127,7 +112,7 @@ def sparse_decode(
     lse_t = inputs.lse
     if lse_t is None and problem.return_lse:
         lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=q.device)
-    chosen.run(problem, inputs, out_t, lse_t)
+    chosen.run(chosen.plan(problem, inputs), inputs, out_t, lse_t)
     if lse_t is not None:
         return out_t, lse_t
     return out_t

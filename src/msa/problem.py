@@ -102,6 +102,7 @@ class DecodeProblem:
         num_pages: physical pages in the cache.
         max_blocks: columns of `block_table`.
         return_lse: whether the caller asked for the log-sum-exp.
+        block_table_stride: elements between rows of `block_table` (None: `max_blocks`).
     """
 
     geometry: Geometry
@@ -114,6 +115,12 @@ class DecodeProblem:
     num_pages: int
     max_blocks: int
     return_lse: bool = False
+    block_table_stride: int | None = None
+
+    @property
+    def table_stride(self) -> int:
+        """Elements between rows of `block_table`."""
+        return self.max_blocks if self.block_table_stride is None else self.block_table_stride
 
     @property
     def num_rows(self) -> int:

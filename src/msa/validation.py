@@ -220,6 +220,7 @@ def check_decode_inputs(
         num_pages=shape.num_pages,
         max_blocks=table.shape[1],
         return_lse=return_lse or lse_t is not None,
+        block_table_stride=table.stride(0),
     )
     inputs = DecodeInputs(
         q=q_t,

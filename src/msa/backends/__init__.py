@@ -1,13 +1,8 @@
-"""Backends: one module each. The built-in set, in priority order, is `builtin_backends()`."""
+"""Backends: one module each, registered through the `msa_backends` hook (see `msa.registry`)."""
 
 from __future__ import annotations
 
 from msa.backends.base import Backend
-from msa.backends.reference import ReferenceBackend
+from msa.backends.capabilities import Capabilities
 
-__all__ = ["Backend", "ReferenceBackend", "builtin_backends"]
-
-
-def builtin_backends() -> list[Backend]:
-    """The built-in backends, fastest first (the reference, which runs anywhere, last)."""
-    return [ReferenceBackend()]
+__all__ = ["Backend", "Capabilities"]

@@ -1,11 +1,15 @@
-"""What every backend is: a name, its refusals as reasons, and `run`."""
+"""What every backend is: a name, capabilities as data, refusals as reasons, `plan` and `run`."""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from msa.backends.capabilities import DEFAULT_RULES, Capabilities, Rule
+from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
@@ -18,22 +22,57 @@ class Backend(abc.ABC):
     Attributes:
         name: the name users pass as `backend=`.
         description: one line for `msa backends`.
+        capabilities: what it supports, as data (see `Capabilities`).
     """
 
     name: str
     description: str = ""
+    capabilities: Capabilities = Capabilities()
 
     def __repr__(self) -> str:
         return f"<msa backend {self.name}>"
 
+    def version(self) -> str:
+        """The version of the library behind the backend ("" when it is msa itself)."""
+        return ""
+
+    def not_supported_reasons(
+        self,
+        problem: DecodeProblem | None,
+        platform: Platform,
+        *,
+        requested: bool = False,
+        rules: Sequence[Rule] = DEFAULT_RULES,
+    ) -> list[str]:
+        """Why this backend cannot run `problem` on `platform` (empty when it can).
+
+        Args:
+            problem: the step, or None to ask about the machine alone.
+            platform: the machine.
+            requested: the caller named this backend (some run only when asked for).
+            rules: the rules to apply to `capabilities` (the policy's).
+        """
+        reasons = [
+            reason
+            for rule in rules
+            if (reason := rule(self.capabilities, problem, platform, requested)) is not None
+        ]
+        if problem is not None:
+            reasons += self.extra_reasons(problem, platform)
+        return reasons
+
+    def extra_reasons(self, problem: DecodeProblem, platform: Platform) -> list[str]:
+        """Backend-specific refusals beyond the declared capabilities."""
+        return []
+
     @abc.abstractmethod
-    def not_supported_reasons(self, problem: DecodeProblem) -> list[str]:
-        """Why this backend cannot run `problem` (empty when it can)."""
+    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> Any:
+        """Prepare a step (outside CUDA-graph capture): metadata, workspaces. Returns the plan."""
 
     @abc.abstractmethod
     def run(
         self,
-        problem: DecodeProblem,
+        plan: Any,
         inputs: DecodeInputs,
         out: torch.Tensor,
         lse: torch.Tensor | None,

@@ -3,44 +3,21 @@ checked against — written for clarity, vectorized over rows, chunked to bound 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from msa.backends.base import Backend
+from msa.backends.capabilities import Capabilities
+from msa.planning.indices import resolve_entries
 from msa.problem import DecodeProblem
 from msa.scales import scale_tensor
 from msa.validation import DecodeInputs
 
-__all__ = ["ReferenceBackend", "selected_tokens", "CHUNK_BYTES"]
+__all__ = ["ReferenceBackend", "CHUNK_BYTES"]
 
 #: Upper bound on the dequantized K and V held at once (bytes); rows are processed in chunks.
 CHUNK_BYTES = 512 * 2**20
-
-
-def selected_tokens(
-    problem: DecodeProblem, inputs: DecodeInputs
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Resolve the index lists into what each row attends (SPEC §3).
-
-    Returns:
-        `(used, block, page, visible)`:
-        - `used` bool `[Hkv, R, K]`: the entry is attended (`0 <= j < ceil(n/P)`, `j` inside the
-          block table, and its page inside the cache);
-        - `block` int64 `[Hkv, R, K]`: the block id (0 where unused);
-        - `page` int64 `[Hkv, R, K]`: the physical page (0 where unused);
-        - `visible` int64 `[R]`: `n = max(seq_lens[b] - L + i + 1, 0)`.
-    """
-    g, length = problem.geometry, problem.query_len
-    device = inputs.q.device
-    rows = torch.arange(problem.num_rows, device=device)
-    request = rows // length
-    visible = (inputs.seq_lens.long()[request] - length + rows % length + 1).clamp(min=0)
-    limit = ((visible + g.page_size - 1) // g.page_size).clamp(max=problem.max_blocks)
-    idx = inputs.topk_indices.long()
-    used = (idx >= 0) & (idx < limit.view(1, -1, 1))
-    block = torch.where(used, idx, 0)
-    page = inputs.block_table.long()[request.view(1, -1, 1), block]
-    used &= (page >= 0) & (page < problem.num_pages)
-    return used, block, torch.where(used, page, 0), visible
 
 
 class ReferenceBackend(Backend):
@@ -48,21 +25,33 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     description = "SPEC §3 in float32 torch on any device (the oracle; slow)"
+    capabilities = Capabilities(
+        q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
+        query_lens=(1, 2**31 - 1),
+    )
 
-    def not_supported_reasons(self, problem: DecodeProblem) -> list[str]:
-        return []
+    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> DecodeProblem:
+        return problem
 
     def run(
         self,
-        problem: DecodeProblem,
+        plan: Any,
         inputs: DecodeInputs,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
+        problem: DecodeProblem = plan
         g = problem.geometry
         hkv, group, p, d = g.num_kv_heads, g.group_size, g.page_size, g.head_dim
         device = inputs.q.device
-        used, block, page, visible = selected_tokens(problem, inputs)
+        used, block, page, visible = resolve_entries(
+            inputs.topk_indices,
+            inputs.block_table,
+            inputs.seq_lens,
+            decode_query_len=problem.query_len,
+            page_size=p,
+            num_pages=problem.num_pages,
+        )
         score_scale = scale_tensor(inputs.sm_scale, device) * scale_tensor(inputs.q_scale, device)
         q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]
         heads = torch.arange(hkv, device=device).view(hkv, 1, 1)

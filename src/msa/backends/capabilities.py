@@ -1,0 +1,212 @@
+"""What a backend supports, as data, and the rules that turn those data into refusal reasons.
+
+Each rule reads a backend's `Capabilities`, the step (`DecodeProblem`) and the machine
+(`Platform`) and returns a reason (a sentence) or None. The selection policy holds the list of
+rules; `Backend.not_supported_reasons` applies it and adds the backend's own checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from msa.platform import Platform
+from msa.problem import DecodeProblem
+
+__all__ = [
+    "Capabilities",
+    "Rule",
+    "PLATFORM_RULES",
+    "PROBLEM_RULES",
+    "DEFAULT_RULES",
+]
+
+
+def _names(values: frozenset[int] | frozenset[str] | tuple[int, ...]) -> str:
+    return ", ".join(str(v) for v in sorted(values))
+
+
+@attrs.frozen
+class Capabilities:
+    """A backend's declared support. `None` means "any".
+
+    Attributes:
+        device_types: device kinds it runs on ("cuda", "cpu", ...).
+        capability_families: CUDA compute-capability majors (10 = SM100 family).
+        packages: importable packages it needs.
+        kv_layouts: canonical layout names it reads.
+        auto_layouts: layouts for which `backend="auto"` may choose it; otherwise it runs only
+            when requested by name (None: any of `kv_layouts`).
+        q_dtypes: query dtypes.
+        head_dims: supported `D`.
+        page_sizes: supported `P` (None with `power_of_two_pages` = any power of two >= 16).
+        power_of_two_pages: `P` must be a power of two >= 16.
+        topks: supported `K`.
+        max_q_heads, max_kv_heads, max_group: head limits.
+        query_lens: inclusive `(min L, max L)`.
+        max_rows: the row budget `B * L * Hq`.
+        min_batch: the batch floor `B >= min_batch` ...
+        min_batch_exempt_layouts: ... except for these layouts.
+        lse: can return the log-sum-exp.
+    """
+
+    device_types: frozenset[str] | None = None
+    capability_families: frozenset[int] | None = None
+    packages: tuple[str, ...] = ()
+    kv_layouts: frozenset[str] = frozenset({"bfloat16", "float16", "fp8_e4m3", "nvfp4"})
+    auto_layouts: frozenset[str] | None = None
+    q_dtypes: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16})
+    head_dims: frozenset[int] | None = None
+    page_sizes: frozenset[int] | None = None
+    power_of_two_pages: bool = False
+    topks: frozenset[int] | None = None
+    max_q_heads: int | None = None
+    max_kv_heads: int | None = None
+    max_group: int | None = None
+    query_lens: tuple[int, int] = (1, 32)
+    max_rows: int | None = None
+    min_batch: int | None = None
+    min_batch_exempt_layouts: frozenset[str] = frozenset()
+    lse: bool = True
+
+
+#: A rule: (capabilities, problem or None, platform, requested by name) -> reason or None.
+Rule = Callable[[Capabilities, "DecodeProblem | None", Platform, bool], "str | None"]
+
+
+def device_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if c.device_types is not None and pf.device_type not in c.device_types:
+        return f"runs on {_names(c.device_types)}, not {pf.device_type}"
+    return None
+
+
+def capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if c.capability_families is None:
+        return None
+    families = "/".join(f"{f}.x" for f in sorted(c.capability_families))
+    if pf.capability is None:
+        return f"needs a CUDA device of compute capability {families}"
+    if pf.capability[0] not in c.capability_families:
+        return f"needs compute capability {families}, this device is {pf.capability[0]}.{pf.capability[1]}"
+    return None
+
+
+def package_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    missing = [name for name in c.packages if not pf.has(name)]
+    if missing:
+        return "needs the package(s) " + ", ".join(missing) + ", not installed"
+    return None
+
+
+def layout_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is None:
+        return None
+    if p.kv_layout not in c.kv_layouts:
+        return f"reads {_names(c.kv_layouts)} caches, not {p.kv_layout}"
+    if not requested and c.auto_layouts is not None and p.kv_layout not in c.auto_layouts:
+        return (
+            f"chosen automatically only for {_names(c.auto_layouts)} caches; "
+            f"request it by name for {p.kv_layout}"
+        )
+    return None
+
+
+def q_dtype_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is not None and p.q_dtype not in c.q_dtypes:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in c.q_dtypes))
+        return f"takes q in {names}, not {str(p.q_dtype).removeprefix('torch.')}"
+    return None
+
+
+def heads_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is None:
+        return None
+    g = p.geometry
+    if g.num_q_heads % g.num_kv_heads:
+        return f"Hq={g.num_q_heads} is not a multiple of Hkv={g.num_kv_heads}"
+    if c.max_q_heads is not None and g.num_q_heads > c.max_q_heads:
+        return f"needs Hq <= {c.max_q_heads}, got {g.num_q_heads}"
+    if c.max_kv_heads is not None and g.num_kv_heads > c.max_kv_heads:
+        return f"needs Hkv <= {c.max_kv_heads}, got {g.num_kv_heads}"
+    if c.max_group is not None and g.group_size > c.max_group:
+        return f"needs a GQA group <= {c.max_group}, got {g.group_size}"
+    return None
+
+
+def head_dim_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is not None and c.head_dims is not None and p.geometry.head_dim not in c.head_dims:
+        return f"needs head dim in {{{_names(c.head_dims)}}}, got {p.geometry.head_dim}"
+    return None
+
+
+def page_size_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is None:
+        return None
+    size = p.geometry.page_size
+    if c.page_sizes is not None and size not in c.page_sizes:
+        return f"needs page size in {{{_names(c.page_sizes)}}}, got {size}"
+    if c.power_of_two_pages and (size < 16 or size & (size - 1)):
+        return f"needs a power-of-two page size >= 16, got {size}"
+    return None
+
+
+def topk_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is not None and c.topks is not None and p.geometry.topk not in c.topks:
+        return f"needs top-k in {{{_names(c.topks)}}}, got {p.geometry.topk}"
+    return None
+
+
+def query_len_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    low, high = c.query_lens
+    if p is not None and not low <= p.query_len <= high:
+        return f"needs {low} <= L <= {high} query tokens per request, got {p.query_len}"
+    return None
+
+
+def row_budget_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is None or c.max_rows is None:
+        return None
+    rows = p.batch_size * p.query_len * p.geometry.num_q_heads
+    if rows > c.max_rows:
+        return f"needs B*L*Hq <= {c.max_rows} query-head rows, got {rows}"
+    return None
+
+
+def batch_floor_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is None or c.min_batch is None or p.kv_layout in c.min_batch_exempt_layouts:
+        return None
+    if p.batch_size < c.min_batch:
+        exempt = (
+            f" (unless the cache is {_names(c.min_batch_exempt_layouts)})"
+            if c.min_batch_exempt_layouts
+            else ""
+        )
+        return f"needs a batch of >= {c.min_batch} requests{exempt}, got {p.batch_size}"
+    return None
+
+
+def lse_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is not None and p.return_lse and not c.lse:
+        return "does not return the log-sum-exp"
+    return None
+
+
+#: Rules that depend on the machine alone (what `msa backends` shows).
+PLATFORM_RULES: tuple[Rule, ...] = (device_rule, capability_rule, package_rule)
+#: Rules that depend on the step.
+PROBLEM_RULES: tuple[Rule, ...] = (
+    layout_rule,
+    q_dtype_rule,
+    heads_rule,
+    head_dim_rule,
+    page_size_rule,
+    topk_rule,
+    query_len_rule,
+    row_budget_rule,
+    batch_floor_rule,
+    lse_rule,
+)
+#: Every rule, machine first.
+DEFAULT_RULES: tuple[Rule, ...] = PLATFORM_RULES + PROBLEM_RULES

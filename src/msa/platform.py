@@ -1,0 +1,92 @@
+"""What the machine is: device kind, compute capability, SM count and the optional packages that
+backends need. `detect()` reads the real machine; tests build `Platform` values by hand."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import attrs
+import torch
+
+__all__ = ["Platform", "detect", "OPTIONAL_PACKAGES"]
+
+#: Packages whose presence some backend depends on (looked up, not imported).
+OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer")
+
+
+@attrs.frozen
+class Platform:
+    """A device and what is installed beside it.
+
+    Attributes:
+        device_type: "cuda", "cpu", ...
+        capability: CUDA compute capability `(major, minor)`, None off CUDA.
+        sm_count: streaming multiprocessors (0 off CUDA).
+        device_name: e.g. "NVIDIA H200".
+        packages: importable optional packages (see `OPTIONAL_PACKAGES`).
+        triton_interpret: `TRITON_INTERPRET=1` is set (Triton kernels run on the CPU).
+    """
+
+    device_type: str
+    capability: tuple[int, int] | None = None
+    sm_count: int = 0
+    device_name: str = ""
+    packages: frozenset[str] = frozenset()
+    triton_interpret: bool = False
+
+    @property
+    def capability_family(self) -> int | None:
+        """The major compute capability (9 for Hopper, 10 for B200/GB200/B300, 12 for RTX 50)."""
+        return None if self.capability is None else self.capability[0]
+
+    def has(self, package: str) -> bool:
+        return package in self.packages
+
+    def describe(self) -> str:
+        if self.capability is None:
+            where = self.device_type
+        else:
+            where = f"{self.device_name or self.device_type} (sm_{self.capability[0]}{self.capability[1]}, {self.sm_count} SMs)"
+        return where + (", packages: " + ", ".join(sorted(self.packages)) if self.packages else "")
+
+    @classmethod
+    def cuda(
+        cls,
+        capability: tuple[int, int],
+        *,
+        sm_count: int = 132,
+        packages: tuple[str, ...] = ("triton",),
+        name: str = "",
+    ) -> Platform:
+        """A pretend CUDA platform (for tests and `msa explain --capability`)."""
+        return cls("cuda", capability, sm_count, name or f"pretend sm_{capability[0]}{capability[1]}", frozenset(packages))
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _detect(device_type: str, index: int | None) -> Platform:
+    packages = frozenset(p for p in OPTIONAL_PACKAGES if _installed(p))
+    interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    if device_type == "cuda" and torch.cuda.is_available():
+        dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(dev)
+        return Platform(
+            "cuda", (props.major, props.minor), props.multi_processor_count, props.name, packages, interpret
+        )
+    return Platform(device_type, None, 0, device_type, packages, interpret)
+
+
+def detect(device: torch.device | str | None = None) -> Platform:
+    """The platform of `device` (default: CUDA if available, else CPU). Cached per device."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    return _detect(dev.type, dev.index)

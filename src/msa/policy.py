@@ -1,0 +1,167 @@
+"""The selection policy: which backend runs a step, and why every other one does not.
+
+`SelectionPolicy` holds the priority order (the registry's, highest priority first, unless
+given) and the rules applied to each backend's declared capabilities. `backend="auto"` takes the
+first backend with no reasons; a named backend (or `MSA_BACKEND=name` in the environment) must
+qualify or the call raises with its reasons — never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from msa.backends.base import Backend
+from msa.backends.capabilities import DEFAULT_RULES, Rule
+from msa.errors import MSAUnsupportedError
+from msa.platform import Platform
+from msa.problem import DecodeProblem
+from msa.registry import BackendRegistry, get_registry
+
+__all__ = ["Verdict", "Selection", "SelectionPolicy", "default_policy"]
+
+
+@attrs.frozen
+class Verdict:
+    """One backend's answer for a step: its reasons for refusing (empty: it can run it)."""
+
+    name: str
+    reasons: tuple[str, ...]
+    priority: int
+    source: str
+
+    @property
+    def qualified(self) -> bool:
+        return not self.reasons
+
+
+@attrs.frozen
+class Selection:
+    """The outcome of selection.
+
+    Attributes:
+        requested: what was asked for ("auto" or a name).
+        chosen: the backend that runs the step, or None when none can.
+        verdicts: every backend's verdict, in priority order.
+        via_environment: the request came from `MSA_BACKEND`.
+    """
+
+    requested: str
+    chosen: str | None
+    verdicts: tuple[Verdict, ...]
+    via_environment: bool = False
+
+    @property
+    def rejected(self) -> dict[str, list[str]]:
+        """Every backend that cannot run the step, with its reasons."""
+        return {v.name: list(v.reasons) for v in self.verdicts if v.reasons}
+
+    def explain(self) -> str:
+        """A readable account: the choice, then each backend's verdict."""
+        how = f"{self.requested!r}" + (" (from MSA_BACKEND)" if self.via_environment else "")
+        head = (
+            f"requested {how}: runs on {self.chosen!r}"
+            if self.chosen
+            else f"requested {how}: no backend can run this step"
+        )
+        lines = [head]
+        for v in self.verdicts:
+            status = "chosen" if v.name == self.chosen else ("qualifies" if v.qualified else "rejected")
+            lines.append(f"  {v.name:<16} {status:<10} " + "; ".join(v.reasons))
+        return "\n".join(line.rstrip() for line in lines)
+
+
+class SelectionPolicy:
+    """Priority order + rules -> `Selection`.
+
+    Args:
+        registry: where backends come from (default: the process-wide registry).
+        order: backend names in the order to try (default: the registry's priorities).
+        rules: the rules applied to each backend's capabilities.
+        environ: where to read `MSA_BACKEND` (default: `os.environ`).
+    """
+
+    def __init__(
+        self,
+        registry: BackendRegistry | None = None,
+        *,
+        order: Sequence[str] | None = None,
+        rules: Sequence[Rule] = DEFAULT_RULES,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else get_registry()
+        self._order = [self.registry.resolve(n) for n in order] if order is not None else None
+        self.rules = tuple(rules)
+        self.environ = environ
+
+    def order(self) -> list[str]:
+        """Backend names in the order `backend="auto"` tries them."""
+        return list(self._order) if self._order is not None else self.registry.names()
+
+    def evaluate(
+        self, problem: DecodeProblem | None, platform: Platform, backend: str = "auto"
+    ) -> Selection:
+        """Every backend's verdict and the choice, without raising for a refusal.
+
+        Raises:
+            MSAInputError / MSAPluginError: `backend` names no registered backend.
+        """
+        env = os.environ if self.environ is None else self.environ
+        via_env = False
+        if backend == "auto" and env.get("MSA_BACKEND", "") not in ("", "auto"):
+            backend, via_env = env["MSA_BACKEND"], True
+        requested = None if backend == "auto" else self.registry.resolve(backend)
+        verdicts = []
+        for name in self.order():
+            record = self.registry.record(name)
+            reasons = self.registry.get(name).not_supported_reasons(
+                problem, platform, requested=name == requested, rules=self.rules
+            )
+            verdicts.append(Verdict(name, tuple(reasons), record.priority, record.source))
+        if requested is not None:
+            if requested not in self.order():  # named but outside a custom order: judge it too
+                record = self.registry.record(requested)
+                reasons = self.registry.get(requested).not_supported_reasons(
+                    problem, platform, requested=True, rules=self.rules
+                )
+                verdicts.append(Verdict(requested, tuple(reasons), record.priority, record.source))
+            chosen = next((v.name for v in verdicts if v.name == requested and v.qualified), None)
+        else:
+            chosen = next((v.name for v in verdicts if v.qualified), None)
+        return Selection(backend, chosen, tuple(verdicts), via_env)
+
+    def select(
+        self, problem: DecodeProblem, platform: Platform, backend: str = "auto"
+    ) -> tuple[Backend, Selection]:
+        """The backend that runs `problem`, and the selection that chose it.
+
+        Raises:
+            MSAUnsupportedError: the named backend — or for "auto", every backend — cannot run
+                the step; the message lists each one's reasons.
+        """
+        selection = self.evaluate(problem, platform, backend)
+        if selection.chosen is None:
+            if selection.requested == "auto":
+                raise MSAUnsupportedError(
+                    f"no msa backend can run this step on {platform.describe()}:", selection.rejected
+                )
+            name = self.registry.resolve(selection.requested)
+            source = " (from MSA_BACKEND)" if selection.via_environment else ""
+            raise MSAUnsupportedError(
+                f"backend {name!r}{source} cannot run this step on {platform.describe()}:",
+                {name: selection.rejected.get(name, [])},
+            )
+        return self.registry.get(selection.chosen), selection
+
+
+_default: SelectionPolicy | None = None
+
+
+def default_policy() -> SelectionPolicy:
+    """The policy `msa.sparse_decode` uses: the process-wide registry, its priorities."""
+    global _default
+    if _default is None or _default.registry is not get_registry():
+        _default = SelectionPolicy()
+    return _default
