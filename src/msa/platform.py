@@ -61,7 +61,7 @@ class Platform:
         name: str = "",
     ) -> Platform:
         """A pretend CUDA platform (for tests and `msa explain --capability`)."""
-        return cls("cuda", capability, sm_count, name or f"pretend sm_{capability[0]}{capability[1]}", frozenset(packages))
+        return cls("cuda", capability, sm_count, name or "pretend CUDA device", frozenset(packages))
 
 
 def _installed(name: str) -> bool:

@@ -61,11 +61,12 @@ class Selection:
     def explain(self) -> str:
         """A readable account: the choice, then each backend's verdict."""
         how = f"{self.requested!r}" + (" (from MSA_BACKEND)" if self.via_environment else "")
-        head = (
-            f"requested {how}: runs on {self.chosen!r}"
-            if self.chosen
-            else f"requested {how}: no backend can run this step"
-        )
+        if self.chosen:
+            head = f"requested {how}: runs on {self.chosen!r}"
+        elif self.requested == "auto":
+            head = f"requested {how}: no backend can run this step"
+        else:
+            head = f"requested {how}: it cannot run this step"
         lines = [head]
         for v in self.verdicts:
             status = "chosen" if v.name == self.chosen else ("qualifies" if v.qualified else "rejected")

@@ -170,8 +170,8 @@ class CutlassSM100Backend(Backend):
             **extra,
         )
         decode: dict[str, Any] = library_plan[3]
+        # row r reads its request's block-table row; the last entry closes row R-1: B * stride
         starts = torch.arange(rows + 1, device=device, dtype=torch.int32) // length * stride
-        starts[rows] = b * stride
         decode["kv_page_indptr"].copy_(starts)
         return CutlassPlan(
             key=key,

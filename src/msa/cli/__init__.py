@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from msa.cli import demo, info
+from msa.cli import backends, demo, info
 
 __all__ = ["main", "build_parser"]
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_parser(subparsers)
     info.add_parsers(subparsers)
+    backends.add_parsers(subparsers)
     return parser
 
 

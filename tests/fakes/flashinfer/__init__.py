@@ -1,0 +1,1 @@
+"""A fake FlashInfer package (only `msa_ops`)."""

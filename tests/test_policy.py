@@ -1,0 +1,190 @@
+"""The selection policy on hand-built platforms: every SPEC §7 rule on both sides of its boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.platform import Platform
+from msa.policy import SelectionPolicy
+from msa.problem import DecodeProblem
+from msa.registry import BackendRegistry
+
+ALL = ("fmha_sm100", "flashinfer", "triton")
+SM90, SM100, SM103, SM120 = (Platform.cuda(c, packages=ALL) for c in ((9, 0), (10, 0), (10, 3), (12, 0)))
+CPU = Platform("cpu")
+
+
+def problem(
+    heads: tuple[int, int] = (64, 4),
+    *,
+    layout: str = "fp8_e4m3",
+    batch: int = 64,
+    length: int = 1,
+    page: int = 128,
+    topk: int = 16,
+    head_dim: int = 128,
+    q: torch.dtype = torch.float8_e4m3fn,
+    lse: bool = False,
+) -> DecodeProblem:
+    return DecodeProblem(
+        geometry=msa.Geometry(heads[0], heads[1], head_dim, page, topk),
+        batch_size=batch,
+        query_len=length,
+        kv_layout=layout,
+        q_dtype=q,
+        out_dtype=torch.bfloat16,
+        device_type="cuda",
+        num_pages=10_000,
+        max_blocks=512,
+        return_lse=lse,
+    )
+
+
+@pytest.fixture(scope="module")
+def policy() -> SelectionPolicy:
+    return SelectionPolicy(BackendRegistry(environ={}), environ={})
+
+
+def reasons(policy: SelectionPolicy, name: str, p: DecodeProblem, platform: Platform = SM100, requested: bool = True) -> list[str]:
+    selection = policy.evaluate(p, platform, name if requested else "auto")
+    return selection.rejected.get(name, [])
+
+
+CUTLASS_CASES: list[tuple[str, dict[str, Any], Platform, str | None]] = [
+    # (case, problem changes, platform, expected reason fragment or None = qualifies)
+    ("sm90", {}, SM90, "needs compute capability 10.x, this device is 9.0"),
+    ("sm100", {}, SM100, None),
+    ("sm103", {}, SM103, None),
+    ("sm120", {}, SM120, "needs compute capability 10.x, this device is 12.0"),
+    ("cpu", {}, CPU, "runs on cuda, not cpu"),
+    ("no library", {}, Platform.cuda((10, 0), packages=("triton",)), "needs the package(s) fmha_sm100"),
+    ("tp1 64/4", {"heads": (64, 4)}, SM100, None),
+    ("tp2 32/2", {"heads": (32, 2)}, SM100, None),
+    ("tp4 16/1", {"heads": (16, 1)}, SM100, None),
+    ("tp8 8/1", {"heads": (8, 1)}, SM100, None),
+    ("72/4", {"heads": (72, 4)}, SM100, "needs Hq <= 64, got 72"),
+    ("64/8", {"heads": (64, 8)}, SM100, "needs Hkv <= 4, got 8"),
+    ("page 64", {"page": 64}, SM100, "needs page size in {128}, got 64"),
+    ("top-k 8", {"topk": 8}, SM100, "needs top-k in {16}, got 8"),
+    ("head dim 64", {"head_dim": 64}, SM100, "needs head dim in {128}, got 64"),
+    ("L=0", {"length": 0}, SM100, "needs 1 <= L <= 32 query tokens per request, got 0"),
+    ("L=1", {"length": 1}, SM100, None),
+    ("L=32", {"length": 32, "batch": 32}, SM100, None),
+    ("L=33", {"length": 33, "batch": 16}, SM100, "needs 1 <= L <= 32 query tokens per request, got 33"),
+    ("fp8 B=15", {"batch": 15}, SM100, "needs a batch of >= 16 requests (unless the cache is nvfp4), got 15"),
+    ("fp8 B=16", {"batch": 16}, SM100, None),
+    ("nvfp4 B=15", {"batch": 15, "layout": "nvfp4"}, SM100, None),
+    ("nvfp4 B=16", {"batch": 16, "layout": "nvfp4"}, SM100, None),
+    ("nvfp4 B=1", {"batch": 1, "layout": "nvfp4"}, SM100, None),
+    ("rows 65536", {"batch": 1024}, SM100, None),
+    ("rows 65600", {"batch": 1025}, SM100, "needs B*L*Hq <= 65536 query-head rows, got 65600"),
+    ("rows 65536 (1 head)", {"heads": (1, 1), "batch": 65536}, SM100, None),
+    ("rows 65537 (1 head)", {"heads": (1, 1), "batch": 65537}, SM100, "got 65537"),
+    ("rows L=4", {"batch": 256, "length": 4}, SM100, None),
+    ("rows L=4 past", {"batch": 257, "length": 4}, SM100, "got 65792"),
+    ("bf16 cache", {"layout": "bfloat16"}, SM100, "reads fp8_e4m3, nvfp4 caches, not bfloat16"),
+    ("bf16 q", {"q": torch.bfloat16}, SM100, "takes q in float8_e4m3fn, not bfloat16"),
+    ("lse", {"lse": True}, SM100, "does not return the log-sum-exp"),
+    ("nvfp4 group 4", {"heads": (16, 4), "layout": "nvfp4"}, SM100, "the NVFP4 route needs a GQA group of 8 or 16, got 4"),
+]
+
+
+@pytest.mark.parametrize("case, changes, platform, expected", CUTLASS_CASES, ids=[c[0] for c in CUTLASS_CASES])
+def test_cutlass_rules(policy: SelectionPolicy, case: str, changes: dict[str, Any], platform: Platform, expected: str | None) -> None:
+    why = reasons(policy, "cutlass_sm100", problem(**changes), platform)
+    if expected is None:
+        assert why == [], why
+    else:
+        assert any(expected in r for r in why), why
+
+
+def test_unequal_group_is_refused_at_construction() -> None:
+    with pytest.raises(MSAInputError, match="num_q_heads: expected a multiple of num_kv_heads=4, got 6"):
+        problem((6, 4))
+
+
+def test_cutlass_runs_by_itself_only_for_nvfp4(policy: SelectionPolicy) -> None:
+    fp8 = policy.evaluate(problem(), SM100)
+    assert fp8.chosen == "flashinfer"
+    assert "chosen automatically only for nvfp4 caches; request it by name for fp8_e4m3" in fp8.rejected["cutlass_sm100"]
+    assert policy.evaluate(problem(), SM100, "cutlass").chosen == "cutlass_sm100"
+    assert policy.evaluate(problem(layout="nvfp4"), SM100).chosen == "cutlass_sm100"
+
+
+FLASHINFER_CASES: list[tuple[str, dict[str, Any], Platform, str | None]] = [
+    ("sm100", {}, SM100, None),
+    ("sm103", {}, SM103, None),
+    ("sm90", {}, SM90, "needs compute capability 10.x, this device is 9.0"),
+    ("sm120", {}, SM120, "this device is 12.0"),
+    ("no flashinfer", {}, Platform.cuda((10, 0), packages=("fmha_sm100",)), "needs the package(s) flashinfer"),
+    ("group 16", {"heads": (64, 4)}, SM100, None),
+    ("group 32", {"heads": (64, 2)}, SM100, "needs a GQA group <= 16, got 32"),
+    ("L=8", {"length": 8}, SM100, None),
+    ("L=9", {"length": 9}, SM100, "needs 1 <= L <= 8"),
+    ("nvfp4", {"layout": "nvfp4"}, SM100, "reads fp8_e4m3 caches, not nvfp4"),
+    ("lse", {"lse": True}, SM100, None),
+    ("small batch", {"batch": 1}, SM100, None),
+]
+
+
+@pytest.mark.parametrize("case, changes, platform, expected", FLASHINFER_CASES, ids=[c[0] for c in FLASHINFER_CASES])
+def test_flashinfer_rules(policy: SelectionPolicy, case: str, changes: dict[str, Any], platform: Platform, expected: str | None) -> None:
+    why = reasons(policy, "flashinfer", problem(**changes), platform)
+    assert (why == []) if expected is None else any(expected in r for r in why), why
+
+
+def test_reference_runs_everywhere(policy: SelectionPolicy) -> None:
+    for platform in (CPU, SM90, SM100, SM120):
+        for p in (problem(q=torch.bfloat16, layout="bfloat16"), problem(length=32, page=16, topk=3, lse=True)):
+            assert reasons(policy, "reference", p, platform) == []
+
+
+def test_auto_takes_the_first_qualified_in_priority_order(policy: SelectionPolicy) -> None:
+    assert policy.order() == ["cutlass_sm100", "flashinfer", "reference"]
+    selection = policy.evaluate(problem(q=torch.bfloat16), SM100)
+    assert selection.chosen == "reference"
+    assert set(selection.rejected) == {"cutlass_sm100", "flashinfer"}
+    text = selection.explain()
+    assert "requested 'auto': runs on 'reference'" in text and "takes q in float8_e4m3fn, not bfloat16" in text
+
+
+def test_custom_order(policy: SelectionPolicy) -> None:
+    custom = SelectionPolicy(policy.registry, order=["reference", "flashinfer"], environ={})
+    assert custom.evaluate(problem(), SM100).chosen == "reference"
+
+
+def test_explicit_request_that_cannot_serve_raises(policy: SelectionPolicy) -> None:
+    with pytest.raises(MSAUnsupportedError, match=r"backend 'cutlass_sm100' cannot run this step .*\n  cutlass_sm100: needs compute capability 10.x, this device is 9.0"):
+        policy.select(problem(), SM90, "cutlass")
+
+
+def test_no_backend_raises_with_every_reason(policy: SelectionPolicy) -> None:
+    only_external = SelectionPolicy(policy.registry, order=["cutlass_sm100", "flashinfer"], environ={})
+    with pytest.raises(MSAUnsupportedError) as info:
+        only_external.select(problem(), CPU)
+    assert set(info.value.reasons) == {"cutlass_sm100", "flashinfer"}
+    assert "no msa backend can run this step on cpu" in str(info.value)
+
+
+def test_environment_override_acts_as_a_request(policy: SelectionPolicy) -> None:
+    env = SelectionPolicy(policy.registry, environ={"MSA_BACKEND": "cutlass"})
+    selection = env.evaluate(problem(), SM100)
+    assert selection.chosen == "cutlass_sm100" and selection.via_environment
+    with pytest.raises(MSAUnsupportedError, match=r"backend 'cutlass_sm100' \(from MSA_BACKEND\) cannot run"):
+        env.select(problem(), SM90)
+    with pytest.raises(MSAInputError, match="backend: expected 'auto' or one of"):
+        SelectionPolicy(policy.registry, environ={"MSA_BACKEND": "nope"}).evaluate(problem(), SM100)
+
+
+def test_sparse_decode_honours_msa_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from msa.workload import make_decode_step
+
+    step = make_decode_step(msa.Geometry(8, 2, 64, 16, 4), batch_size=2, context_len=100, seed=1)
+    monkeypatch.setenv("MSA_BACKEND", "flashinfer")
+    with pytest.raises(MSAUnsupportedError, match=r"backend 'flashinfer' \(from MSA_BACKEND\) cannot run this step on cpu"):
+        msa.sparse_decode(**step.kwargs())
