@@ -26,6 +26,7 @@ pytest: $(STAMP)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict src
+	$(VENV)/bin/ruff check src tests
 
 test: pytest typecheck
 

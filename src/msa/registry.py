@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -32,6 +32,7 @@ import pluggy
 
 from msa.backends.base import Backend
 from msa.errors import MSAInputError, MSAPluginError
+from msa.hooks import PROJECT, BackendRecord, MSAHookSpecs, PluginFailure, hookimpl, hookspec
 
 __all__ = [
     "PROJECT",
@@ -46,54 +47,10 @@ __all__ = [
     "reset_registry",
 ]
 
-PROJECT = "msa"
 ENTRY_POINT_GROUP = "msa.backends"
 BUILTIN_SOURCE = "msa (built-in)"
 
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
-
 log = logging.getLogger("msa")
-
-
-@attrs.frozen
-class BackendRecord:
-    """One backend a plugin offers.
-
-    Attributes:
-        name: the name users request (`backend="name"`), unique across plugins.
-        factory: builds the backend (called once, on first use).
-        priority: higher is tried first by `backend="auto"`.
-        source: where it comes from (filled in by the registry: "msa (built-in)" or the plugin's
-            distribution and entry point).
-        aliases: other names that request it.
-        description: one line for `msa backends`.
-    """
-
-    name: str
-    factory: Callable[[], Backend]
-    priority: int = 0
-    source: str = ""
-    aliases: tuple[str, ...] = ()
-    description: str = ""
-
-
-@attrs.frozen
-class PluginFailure:
-    """A plugin that could not be loaded: its entry-point name, source and error."""
-
-    name: str
-    source: str
-    error: str
-    exception: BaseException = attrs.field(eq=False, repr=False)
-
-
-class MSAHookSpecs:
-    """The hooks msa calls. Plugins implement them with `@msa.registry.hookimpl`."""
-
-    @hookspec
-    def msa_backends(self) -> Iterable[BackendRecord]:  # type: ignore[empty-body]
-        """Return the backends this plugin offers."""
 
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
@@ -137,7 +94,7 @@ class BackendRegistry:
         self._aliases: dict[str, str] = {}
         self._instances: dict[str, Backend] = {}
 
-        from msa.backends import builtin
+        from msa import builtin
 
         self._register("msa.builtin", builtin, BUILTIN_SOURCE, required=True)
         allow = {n.strip() for n in env.get("MSA_PLUGINS", "").split(",") if n.strip()}

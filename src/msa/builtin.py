@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msa.registry import BackendRecord, hookimpl
+from msa.hooks import BackendRecord, hookimpl
 
 
 @hookimpl
