@@ -145,7 +145,7 @@ def test_reference_runs_everywhere(policy: SelectionPolicy) -> None:
 
 
 def test_auto_takes_the_first_qualified_in_priority_order(policy: SelectionPolicy) -> None:
-    assert policy.order() == ["cutlass_sm100", "flashinfer", "reference"]
+    assert policy.order() == ["cutlass_sm100", "flashinfer", "triton", "reference"]
     selection = policy.evaluate(problem(q=torch.bfloat16), SM100)
     assert selection.chosen == "reference"
     assert set(selection.rejected) == {"cutlass_sm100", "flashinfer"}

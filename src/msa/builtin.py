@@ -10,6 +10,7 @@ def msa_backends() -> list[BackendRecord]:
     from msa.backends.cutlass_sm100 import CutlassSM100Backend
     from msa.backends.flashinfer import FlashInferBackend
     from msa.backends.reference import ReferenceBackend
+    from msa.backends.triton import TritonBackend
 
     return [
         BackendRecord(
@@ -24,6 +25,12 @@ def msa_backends() -> list[BackendRecord]:
             factory=FlashInferBackend,
             priority=200,
             description=FlashInferBackend.description,
+        ),
+        BackendRecord(
+            name="triton",
+            factory=TritonBackend,
+            priority=100,
+            description=TritonBackend.description,
         ),
         BackendRecord(
             name="reference",

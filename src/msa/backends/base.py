@@ -58,10 +58,12 @@ class Backend(abc.ABC):
             if (reason := rule(self.capabilities, problem, platform, requested)) is not None
         ]
         if problem is not None:
-            reasons += self.extra_reasons(problem, platform)
+            reasons += self.extra_reasons(problem, platform, requested=requested)
         return reasons
 
-    def extra_reasons(self, problem: DecodeProblem, platform: Platform) -> list[str]:
+    def extra_reasons(
+        self, problem: DecodeProblem, platform: Platform, *, requested: bool = False
+    ) -> list[str]:
         """Backend-specific refusals beyond the declared capabilities."""
         return []
 

@@ -112,7 +112,9 @@ class CutlassSM100Backend(Backend):
     def version(self) -> str:
         return library_version(LIBRARY)
 
-    def extra_reasons(self, problem: DecodeProblem, platform: Platform) -> list[str]:
+    def extra_reasons(
+        self, problem: DecodeProblem, platform: Platform, *, requested: bool = False
+    ) -> list[str]:
         if problem.kv_layout == "nvfp4" and problem.geometry.group_size not in (8, 16):
             return [f"the NVFP4 route needs a GQA group of 8 or 16, got {problem.geometry.group_size}"]
         return []

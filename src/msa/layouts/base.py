@@ -138,6 +138,7 @@ class KVLayout(abc.ABC):
         k_scale: Scale | None = None,
         v_scale: Scale | None = None,
         validate: bool = False,
+        kernel: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new tokens into the cache in place.
 
@@ -152,28 +153,57 @@ class KVLayout(abc.ABC):
                 for the split layouts; for NVFP4 it means "compute the global scale from the
                 tokens written now" (then pass the returned scales to later writes).
             validate: raise on out-of-range slots instead of skipping them (reads the device).
+            kernel: use the Triton writer (True), the torch writer (False), or decide (None:
+                Triton on CUDA when triton imports). Both store the same bytes; the Triton one
+                never synchronises with the host.
 
         Returns:
             `(k_scale, v_scale)`: the scales used, as one-element fp32 tensors on the cache's
             device — what `dequantize` and `msa.sparse_decode` need.
         """
         shape = self.inspect(cache)
-        selected = _select_slots(cache, shape, key, value, slot_mapping, validate)
-        k = self._resolve_scale("k_scale", k_scale, cache.device, selected.key)
-        v = self._resolve_scale("v_scale", v_scale, cache.device, selected.value)
-        self._store(cache, shape, selected, k, v)
+        slots = _check_write_inputs(cache, shape, key, value, slot_mapping, validate)
+        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+        keep = ((slots >= 0) & (slots < shape.num_pages * shape.page_size)).view(-1, 1, 1)
+        k = self._resolve_scale("k_scale", k_scale, cache.device, key, keep)
+        v = self._resolve_scale("v_scale", v_scale, cache.device, value, keep)
+        if kernel is None:
+            kernel = cache.is_cuda and _triton_available()
+        if kernel:
+            self._store_kernel(cache, shape, key, value, slots, k, v)
+        else:
+            self._store(cache, shape, _select_slots(shape, key, value, slots), k, v)
         return k, v
 
     def _resolve_scale(
-        self, argument: str, scale: Scale | None, device: torch.device, data: torch.Tensor
+        self,
+        argument: str,
+        scale: Scale | None,
+        device: torch.device,
+        data: torch.Tensor,
+        keep: torch.Tensor,
     ) -> torch.Tensor:
-        """The scale to write with, as a one-element fp32 tensor (default 1.0)."""
+        """The scale to write with, as a one-element fp32 tensor (default 1.0). `keep`
+        `[n, 1, 1]` marks the tokens that land in the cache."""
         if scale is None:
             return torch.ones(1, dtype=torch.float32, device=device)
         checked = check_scale(argument, scale, device)
         if isinstance(checked, torch.Tensor):
             return checked.reshape(1)
         return torch.full((1,), checked, dtype=torch.float32, device=device)
+
+    @abc.abstractmethod
+    def _store_kernel(
+        self,
+        cache: torch.Tensor,
+        shape: CacheShape,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        """Encode and store with the Triton writer (skips out-of-range slots on the device)."""
 
     @abc.abstractmethod
     def _store(
@@ -217,15 +247,23 @@ class KVLayout(abc.ABC):
         return self.gather(cache, pages, heads, k_scale=k_scale, v_scale=v_scale)
 
 
-def _select_slots(
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_write_inputs(
     cache: torch.Tensor,
     shape: CacheShape,
     key: object,
     value: object,
     slot_mapping: object,
     validate: bool,
-) -> SlotWrite:
-    """Check the writer's inputs and keep the tokens whose slot lies inside the cache."""
+) -> torch.Tensor:
+    """Check the writer's inputs; returns the slots as int64."""
     expected = f"[num_tokens, {shape.num_kv_heads}, {shape.head_dim}] bf16/fp16"
     for argument, tensor in (("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
@@ -236,9 +274,15 @@ def _select_slots(
             raise MSAInputError(argument, expected, f"shape {tuple(tensor.shape)}")
         if tensor.device != cache.device:
             raise MSAInputError(argument, f"a tensor on {cache.device}", tensor.device)
+        if tensor.stride(-1) != 1:
+            raise MSAInputError(argument, "unit stride in the last dimension", tensor.stride())
     assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
-    if value.shape != key.shape:
-        raise MSAInputError("value", f"the shape of key {tuple(key.shape)}", tuple(value.shape))
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise MSAInputError(
+            "value",
+            f"the shape and dtype of key ({tuple(key.shape)}, {key.dtype})",
+            f"({tuple(value.shape)}, {value.dtype})",
+        )
     if not isinstance(slot_mapping, torch.Tensor):
         raise MSAInputError("slot_mapping", "a torch.Tensor", type(slot_mapping).__name__)
     if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.dim() != 1:
@@ -264,11 +308,19 @@ def _select_slots(
                 f"-1 or a slot in [0, {capacity}) (num_pages * page_size)",
                 f"{int(slots[first])} for token {first}",
             )
+    return slots
+
+
+def _select_slots(
+    shape: CacheShape, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> SlotWrite:
+    """The tokens whose slot lies inside the cache (the torch writer; synchronises)."""
+    capacity = shape.num_pages * shape.page_size
     keep = ((slots >= 0) & (slots < capacity)).nonzero().view(-1)
-    slots = slots[keep]
+    kept = slots[keep]
     return SlotWrite(
-        pages=slots // shape.page_size,
-        offsets=slots % shape.page_size,
+        pages=kept // shape.page_size,
+        offsets=kept % shape.page_size,
         key=key[keep],
         value=value[keep],
     )

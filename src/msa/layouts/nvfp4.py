@@ -140,12 +140,40 @@ class NVFP4HeadSlotLayout(KVLayout):
         return 2 * (head_dim // 2 + head_dim // BLOCK)
 
     def _resolve_scale(
-        self, argument: str, scale: Scale | None, device: torch.device, data: torch.Tensor
+        self,
+        argument: str,
+        scale: Scale | None,
+        device: torch.device,
+        data: torch.Tensor,
+        keep: torch.Tensor,
     ) -> torch.Tensor:
         if scale is not None:
-            return super()._resolve_scale(argument, scale, device, data)
-        amax = data.abs().amax().float() if data.numel() else torch.zeros((), device=device)
+            return super()._resolve_scale(argument, scale, device, data, keep)
+        if data.numel() == 0:
+            return torch.ones(1, dtype=torch.float32, device=device)
+        amax = torch.where(keep, data.abs(), 0).amax().float()  # no host synchronisation
         return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax)).reshape(1)
+
+    def _store_kernel(
+        self,
+        cache: torch.Tensor,
+        shape: CacheShape,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        from msa.layouts.kernels import nvfp4_write_kernel
+
+        if key.shape[0] == 0:
+            return
+        nvfp4_write_kernel[(key.shape[0], shape.num_kv_heads, 2)](
+            key, value, slots, cache, k_scale, v_scale, shape.num_pages * shape.page_size,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cache.stride(0), cache.stride(1),
+            HEAD_DIM=shape.head_dim, PAGE=shape.page_size,
+        )
 
     def _store(
         self,

@@ -65,6 +65,27 @@ class SplitLayout(KVLayout):
         cache[selected.pages, :, selected.offsets, :d] = k
         cache[selected.pages, :, selected.offsets, d:] = v
 
+    def _store_kernel(
+        self,
+        cache: torch.Tensor,
+        shape: CacheShape,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+    ) -> None:
+        from msa.layouts.kernels import split_write_kernel
+
+        if key.shape[0] == 0:
+            return
+        split_write_kernel[(key.shape[0], shape.num_kv_heads)](
+            key, value, slots, cache, k_scale, v_scale, shape.num_pages * shape.page_size,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cache.stride(0), cache.stride(1), cache.stride(2),
+            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, FP8=cache.dtype == torch.float8_e4m3fn,
+        )
+
     def gather(
         self,
         cache: torch.Tensor,

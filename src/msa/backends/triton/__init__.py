@@ -1,0 +1,70 @@
+"""The `triton` backend: sparse decode over every layout (BF16/FP16 split, FP8 split, NVFP4 head
+slots), any query length 1..32, any GQA group, head dims 64/128/256, power-of-two pages >= 16,
+any top-k, natural-log LSE. Runs on CUDA GPUs (compute capability >= 8.0), and on the CPU under
+`TRITON_INTERPRET=1` when requested by name (for tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from msa.backends.base import Backend
+from msa.backends.capabilities import Capabilities
+from msa.backends.triton.config import LaunchConfig, choose_config
+from msa.backends.triton.launch import Workspace, launch_decode
+from msa.platform import Platform, detect
+from msa.problem import DecodeProblem
+from msa.validation import DecodeInputs
+
+__all__ = ["TritonBackend", "TritonPlan"]
+
+
+@attrs.frozen(eq=False)
+class TritonPlan:
+    problem: DecodeProblem
+    config: LaunchConfig
+    workspace: Workspace
+
+
+class TritonBackend(Backend):
+    """Split-K (flash-decoding) Triton kernels over the selected pages, with in-kernel dequant."""
+
+    name = "triton"
+    description = "Triton kernels for every layout (CUDA; CPU under TRITON_INTERPRET=1)"
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda", "cpu"}),
+        packages=("triton",),
+        q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
+        head_dims=frozenset({64, 128, 256}),
+        power_of_two_pages=True,
+        query_lens=(1, 32),
+        lse=True,
+    )
+
+    def __init__(self, **config_overrides: Any) -> None:
+        self.config_overrides = config_overrides
+
+    def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
+        if platform.device_type == "cpu":
+            if not platform.triton_interpret:
+                return ["runs on the CPU only under TRITON_INTERPRET=1"]
+            if not requested:
+                return ["on the CPU it runs only through the Triton interpreter (slow): request it by name"]
+        if platform.capability is not None and platform.capability < (8, 0):
+            return [f"needs compute capability >= 8.0, this device is {platform.capability[0]}.{platform.capability[1]}"]
+        return []
+
+    def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
+        sm_count = detect(device).sm_count
+        return choose_config(problem.geometry, problem.num_rows, sm_count, **self.config_overrides)
+
+    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> TritonPlan:
+        device = inputs.q.device
+        config = self.config_for(problem, device)
+        return TritonPlan(problem, config, Workspace(problem, config, device))
+
+    def run(self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        p: TritonPlan = plan
+        launch_decode(p.problem, inputs, out, lse, p.config, p.workspace)

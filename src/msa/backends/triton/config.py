@@ -1,0 +1,81 @@
+"""Launch configuration of the Triton decode: a function of shapes and the device only, so a
+CUDA graph captured for a shape stays valid whatever the lengths and indices hold."""
+
+from __future__ import annotations
+
+import attrs
+
+from msa.problem import Geometry
+
+__all__ = ["LaunchConfig", "choose_config"]
+
+#: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
+WAVES = 2
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@attrs.frozen
+class LaunchConfig:
+    """Attributes:
+    block_n: tokens per tile (a tile is part of one page).
+    block_g: query heads per program (>= 16: the tensor-core minimum).
+    group_chunks: programs per KV head when the GQA group exceeds `block_g`.
+    num_splits: programs sharing one (row, KV head)'s tiles (1: one fused pass).
+    tiles_per_split: tiles each split walks.
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_n: int
+    block_g: int
+    group_chunks: int
+    num_splits: int
+    tiles_per_split: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def fused(self) -> bool:
+        return self.num_splits == 1
+
+
+def choose_config(
+    geometry: Geometry,
+    num_rows: int,
+    sm_count: int,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> LaunchConfig:
+    """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
+
+    When (row, KV head, group chunk) programs already fill `WAVES` programs per SM, one fused
+    pass; otherwise the tiles of each row are split across programs (at most one tile each),
+    and a small kernel merges the splits. Keyword arguments override the heuristic.
+    """
+    g = geometry
+    block_g = min(max(16, _next_pow2(g.group_size)), 64)
+    group_chunks = -(-g.group_size // block_g)
+    if block_n is None:
+        block_n = min(g.page_size, 64 if g.head_dim <= 128 else 32)
+    block_n = min(block_n, g.page_size)
+    tiles = g.topk * (g.page_size // block_n)
+    programs = max(num_rows * g.num_kv_heads * group_chunks, 1)
+    if num_splits is None:
+        target = WAVES * sm_count
+        num_splits = 1 if programs >= target else -(-target // programs)
+    num_splits = max(1, min(num_splits, tiles))
+    per_split = -(-tiles // num_splits)
+    return LaunchConfig(
+        block_n=block_n,
+        block_g=block_g,
+        group_chunks=group_chunks,
+        num_splits=-(-tiles // per_split),
+        tiles_per_split=per_split,
+        num_warps=num_warps if num_warps is not None else (8 if block_g * g.head_dim > 8192 else 4),
+        num_stages=num_stages if num_stages is not None else 2,
+    )

@@ -1,0 +1,96 @@
+"""Host side of the Triton decode: scales, strides, workspaces and the launches."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+from msa.backends.triton.config import LaunchConfig
+from msa.backends.triton.kernels import LOG2E, merge_kernel, nvfp4_decode_kernel, split_decode_kernel
+from msa.problem import DecodeProblem
+from msa.validation import DecodeInputs
+
+__all__ = ["launch_decode", "interpreting", "Workspace"]
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+class Workspace:
+    """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]` and (max, sum) pairs `[B*L*Hq*S, 2]`."""
+
+    def __init__(self, problem: DecodeProblem, config: LaunchConfig, device: torch.device) -> None:
+        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits
+        size = rows if config.num_splits > 1 else 0
+        self.partial_out = torch.empty((size, problem.geometry.head_dim), dtype=torch.float32, device=device)
+        self.partial_ml = torch.empty((size, 2), dtype=torch.float32, device=device)
+
+
+def _scale_args(value: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    """(python factor, device tensor or None): tensors are read by the kernel, floats folded in."""
+    if isinstance(value, torch.Tensor):
+        return 1.0, value
+    return float(value), None
+
+
+def launch_decode(
+    problem: DecodeProblem,
+    inputs: DecodeInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: LaunchConfig,
+    workspace: Workspace,
+) -> None:
+    """Run the decode kernel (and the merge when split) into `out` / `lse`."""
+    g = problem.geometry
+    if problem.num_rows == 0:
+        return
+    q, cache = inputs.q, inputs.kv_cache
+    sm, sm_t = _scale_args(inputs.sm_scale)
+    qs, qs_t = _scale_args(inputs.q_scale)
+    ks, ks_t = _scale_args(inputs.k_scale)
+    vs, vs_t = _scale_args(inputs.v_scale)
+    if sm_t is not None:  # a tensor softmax scale rides with q_scale (both multiply the scores)
+        qs_t = sm_t if qs_t is None else sm_t * qs_t
+    qk_scale = sm * qs * ks * LOG2E
+    if interpreting():
+        compute = tl.float32
+    else:
+        compute = _TL_DTYPES.get(q.dtype, tl.bfloat16)
+    topk, table = inputs.topk_indices, inputs.block_table
+    lse_arg = lse if lse is not None else out
+    kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
+    grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
+    kernel[grid](
+        q, cache, topk, table, inputs.seq_lens,
+        out, lse_arg, workspace.partial_out, workspace.partial_ml,
+        qs_t if qs_t is not None else out, ks_t if ks_t is not None else out,
+        vs_t if vs_t is not None else out, qk_scale, vs,
+        problem.num_pages, problem.max_blocks,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+        topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0),
+        out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
+        QUERY_LEN=problem.query_len, NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size,
+        HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
+        BLOCK_G=config.block_g, BLOCK_N=config.block_n, GROUP_CHUNKS=config.group_chunks,
+        NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
+        Q_SCALE_PTR=qs_t is not None, K_SCALE_PTR=ks_t is not None, V_SCALE_PTR=vs_t is not None,
+        WRITE_LSE=lse is not None, COMPUTE=compute,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if config.num_splits > 1:
+        merge_kernel[(problem.num_rows * g.num_q_heads,)](
+            workspace.partial_out, workspace.partial_ml, out, lse_arg,
+            vs_t if vs_t is not None else out, vs,
+            out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
+            NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
+            BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(),
+            V_SCALE_PTR=vs_t is not None, WRITE_LSE=lse is not None,
+            num_warps=4,
+        )

@@ -1,0 +1,164 @@
+"""The Triton backend against the reference (CPU: the Triton interpreter; GPU: the real thing)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa.backends.triton import TritonBackend
+from msa.backends.triton.config import choose_config
+from msa.validation import check_decode_inputs
+
+from cases import Case, build
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+LAYOUTS = ("bfloat16", "float16", "fp8_e4m3", "nvfp4")
+
+
+def run_triton(kw: dict[str, Any], backend: TritonBackend, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Run with poisoned out/lse buffers on `device`; returns them on the CPU."""
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=True)
+    out_dtype = torch.bfloat16 if kw["q"].dtype == torch.float8_e4m3fn else kw["q"].dtype
+    out = torch.full(kw["q"].shape, float("nan"), dtype=out_dtype, device=device)
+    lse = torch.full(kw["q"].shape[:2], float("nan"), device=device)
+    backend.run(backend.plan(problem, inputs), inputs, out, lse)
+    return out.cpu(), lse.cpu()
+
+
+def assert_matches_reference(kw: dict[str, Any], out: torch.Tensor, lse: torch.Tensor, rtol: float) -> None:
+    ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten (poisoned) elements"
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=2e-4)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (out[empty] == 0).all()
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=2e-5)
+
+
+def _matrix() -> list[tuple[Case, int]]:
+    cases = []
+    for n, (layout, length, group) in enumerate(itertools.product(LAYOUTS, (1, 3, 8), (1, 4, 16))):
+        hkv = 2 if group < 16 else 1
+        cases.append((
+            Case(
+                layout=layout, batch=3, query_len=length, num_q_heads=group * hkv, num_kv_heads=hkv,
+                head_dim=(64, 128)[n % 2], page_size=(16, 32)[n % 3 == 0], topk=3, max_blocks=5,
+                q_dtype=torch.float16 if layout == "float16" else torch.bfloat16,
+                tensor_scales=n % 2 == 0, token_major=n % 3 == 1,
+            ),
+            (1, 2, 5)[n % 3],
+        ))
+    return cases
+
+
+@pytest.mark.parametrize("case, splits", _matrix(), ids=lambda x: str(x))
+def test_triton_matches_reference(case: Case, splits: int, gen: torch.Generator) -> None:
+    built = build(case, gen)
+    out, lse = run_triton(built.kwargs, TritonBackend(num_splits=splits))
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_fp8_queries_and_big_groups(layout: str, gen: torch.Generator) -> None:
+    """fp8 q with q_scale; a GQA group of 32 (two query heads per row of the tensor core tile)."""
+    built = build(Case(layout=layout, q_dtype=torch.float8_e4m3fn, num_q_heads=32, num_kv_heads=1, topk=2, max_blocks=4), gen)
+    out, lse = run_triton(built.kwargs, TritonBackend(num_splits=2))
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
+
+
+def test_triton_group_chunks(gen: torch.Generator) -> None:
+    """A group of 128 query heads per KV head: two programs per (row, head)."""
+    built = build(Case(num_q_heads=128, num_kv_heads=1, topk=2, max_blocks=3, batch=2), gen)
+    out, lse = run_triton(built.kwargs, TritonBackend())
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
+
+
+def test_triton_edge_rows_and_strided_out(gen: torch.Generator) -> None:
+    built = build(Case(batch=4, query_len=3, topk=4, max_blocks=6), gen)
+    kw = built.kwargs
+    kw["seq_lens"] = torch.tensor([0, 2, 37, 96], dtype=torch.int32)  # empty, shorter than L, partial page
+    ids = kw["topk_indices"].clone()
+    ids[:, 9:12] = -1  # request 3: nothing selected
+    ids[0, 6, :] = torch.tensor([-1, 2, -1, 0], dtype=torch.int32)  # -1 at front and middle
+    kw["topk_indices"] = ids
+    problem, inputs = check_decode_inputs(**kw, return_lse=True)
+    out_buf = torch.full((12, 8, 80), float("nan"), dtype=torch.bfloat16)
+    lse_buf = torch.full((12, 10), float("nan"))
+    backend = TritonBackend(num_splits=3)
+    out, lse = out_buf[:, :, 8:72], lse_buf[:, 1:9]
+    backend.run(backend.plan(problem, inputs), inputs, out, lse)
+    assert_matches_reference(kw, out, lse, rtol=2**-7)
+    assert torch.isnan(out_buf[:, :, :8]).all() and torch.isnan(lse_buf[:, 9:]).all()
+    empty = [0, 1, 2, 3, 9, 10, 11]  # request 0; request 1's first row (position -1); request 3
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(lse[[4, 5, 6, 7, 8]]).any(dim=1).all(), "the other rows attend something"
+
+
+def test_triton_through_the_api(gen: torch.Generator) -> None:
+    built = build(Case(layout="nvfp4", batch=2, query_len=2), gen)
+    out, lse = msa.sparse_decode(**built.kwargs, backend="triton", return_lse=True)
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
+
+
+def test_triton_is_not_chosen_automatically_on_the_cpu() -> None:
+    from msa.platform import Platform
+    from msa.policy import SelectionPolicy
+
+    built = build(Case(), torch.Generator().manual_seed(0))
+    problem, _ = check_decode_inputs(**built.kwargs)
+    cpu = Platform("cpu", packages=frozenset({"triton"}), triton_interpret=True)
+    selection = SelectionPolicy().evaluate(problem, cpu)
+    assert selection.chosen == "reference"
+    assert "request it by name" in selection.rejected["triton"][0]
+    assert SelectionPolicy().evaluate(problem, cpu, "triton").chosen == "triton"
+    plain = Platform("cpu", packages=frozenset({"triton"}))
+    assert "TRITON_INTERPRET=1" in SelectionPolicy().evaluate(problem, plain).rejected["triton"][0]
+
+
+def test_config_depends_on_shapes_and_sms_only() -> None:
+    m3 = msa.MINIMAX_M3
+    small = choose_config(m3, 1, 132)
+    assert small.num_splits > 1 and small.tiles_per_split * small.num_splits >= m3.topk * 2
+    assert choose_config(m3, 256, 132).fused
+    assert choose_config(m3, 1, 132) == choose_config(m3, 1, 132)
+    wide = choose_config(msa.Geometry(128, 1, 128, 128, 16), 4, 132)
+    assert wide.group_chunks == 2 and wide.block_g == 64
+
+
+# ---- GPU: full MiniMax-M3 shapes -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("length", [1, 4])
+def test_triton_full_m3_shapes_on_gpu(tp: int, layout: str, length: int) -> None:
+    from msa.workload import make_decode_step
+
+    step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=24, decode_query_len=length,
+                            context_len=128 * 40, kv_cache_dtype=layout, device="cuda")
+    kw = step.kwargs()
+    for splits in (None, 1):
+        backend = TritonBackend() if splits is None else TritonBackend(num_splits=1)
+        out, lse = run_triton(kw, backend, device="cuda")
+        ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float(), ref_out.float().cpu(), rtol=2**-6, atol=3e-3)
+        torch.testing.assert_close(lse, ref_lse.cpu(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, splits", _matrix()[::4], ids=lambda x: str(x))
+def test_triton_edge_cases_on_gpu(case: Case, splits: int, gen: torch.Generator) -> None:
+    built = build(case, gen)
+    out, lse = run_triton(built.kwargs, TritonBackend(num_splits=splits), device="cuda")
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-6)

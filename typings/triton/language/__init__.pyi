@@ -1,0 +1,5 @@
+from typing import Any
+
+constexpr = Any
+
+def __getattr__(name: str) -> Any: ...
