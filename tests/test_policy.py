@@ -147,10 +147,11 @@ def test_reference_runs_everywhere(policy: SelectionPolicy) -> None:
 def test_auto_takes_the_first_qualified_in_priority_order(policy: SelectionPolicy) -> None:
     assert policy.order() == ["cutlass_sm100", "flashinfer", "triton", "reference"]
     selection = policy.evaluate(problem(q=torch.bfloat16), SM100)
-    assert selection.chosen == "reference"
+    assert selection.chosen == "triton"
     assert set(selection.rejected) == {"cutlass_sm100", "flashinfer"}
     text = selection.explain()
-    assert "requested 'auto': runs on 'reference'" in text and "takes q in float8_e4m3fn, not bfloat16" in text
+    assert "requested 'auto': runs on 'triton'" in text and "takes q in float8_e4m3fn, not bfloat16" in text
+    assert policy.evaluate(problem(q=torch.bfloat16), CPU).chosen == "reference"
 
 
 def test_custom_order(policy: SelectionPolicy) -> None:
