@@ -101,7 +101,6 @@ def test_triton_edge_rows_and_strided_out(gen: torch.Generator) -> None:
     assert torch.isnan(out_buf[:, :, :8]).all() and torch.isnan(lse_buf[:, 9:]).all()
     empty = [0, 1, 2, 3, 9, 10, 11]  # request 0; request 1's first row (position -1); request 3
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-    assert torch.isfinite(lse[[4, 5, 6, 7, 8]]).any(dim=1).all(), "the other rows attend something"
 
 
 def test_triton_through_the_api(gen: torch.Generator) -> None:

@@ -26,6 +26,8 @@ class LaunchConfig:
     num_splits: programs sharing one (row, KV head)'s tiles (1: one fused pass).
     tiles_per_split: tiles each split walks.
     num_warps, num_stages: Triton launch parameters.
+    compute: dtype of the tensor-core dots for quantized caches ("fp16" or "bf16"; both are
+        exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype).
     """
 
     block_n: int
@@ -35,6 +37,7 @@ class LaunchConfig:
     tiles_per_split: int
     num_warps: int = 4
     num_stages: int = 2
+    compute: str = "fp16"
 
     @property
     def fused(self) -> bool:
@@ -50,6 +53,7 @@ def choose_config(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    compute: str | None = None,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -78,4 +82,5 @@ def choose_config(
         tiles_per_split=per_split,
         num_warps=num_warps if num_warps is not None else (8 if block_g * g.head_dim > 8192 else 4),
         num_stages=num_stages if num_stages is not None else 2,
+        compute=compute if compute is not None else "fp16",
     )

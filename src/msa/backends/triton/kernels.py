@@ -2,8 +2,9 @@
 
 One program handles one query row `r`, one KV head `h`, a chunk of `BLOCK_G` of the head's
 query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens of one selected page).
-Tiles are converted to `COMPUTE` (bf16 or fp16 on the GPU, where every fp8 and NVFP4 value is
-exact; fp32 under the Triton interpreter) for the dots. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
+Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every fp8 and NVFP4
+value is exact in both), fp32 under the Triton interpreter. The row's index list is resolved
+once, up front, so the tile loop has no dependent index loads and can be software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
 tensor scales are read on the device (graph-safe). An entry SPEC §3 skips is never read: its
 page pointer is not formed and its tile is not loaded.
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # host side: folded into qk_scale
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -31,16 +32,23 @@ def _row_context(seq_lens_ptr, r, QUERY_LEN: tl.constexpr, PAGE: tl.constexpr, m
 
 
 @triton.jit
-def _tile_page(topk_ptr, table_ptr, h, r, b, tile, limit, num_pages, stride_th, stride_tr, stride_tk,
-               stride_bt, CHUNKS: tl.constexpr, TOPK: tl.constexpr):
-    """The tile's (block id, page, used): skipped entries give used = False and page 0."""
-    t = tile // CHUNKS
-    j = tl.load(topk_ptr + h * stride_th + r * stride_tr + t * stride_tk, mask=t < TOPK, other=-1)
+def _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages, stride_th, stride_tr, stride_tk, stride_bt,
+             TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """The row's index list resolved once: (entry ids, block ids, pages, used), each [TOPK_PAD].
+    Skipped entries (SPEC §3) get used = 0 and page 0; their tiles are never loaded."""
+    e = tl.arange(0, TOPK_PAD)
+    j = tl.load(topk_ptr + h * stride_th + r * stride_tr + e * stride_tk, mask=e < TOPK, other=-1)
     used = (j >= 0) & (j < limit)
     j = tl.where(used, j, 0)
     page = tl.load(table_ptr + b * stride_bt + j, mask=used, other=-1)
     used = used & (page >= 0) & (page < num_pages)
-    return j, tl.where(used, page, 0).to(tl.int64), used
+    return e, j, tl.where(used, page, 0), used.to(tl.int32)
+
+
+@triton.jit
+def _pick(values, e, t):
+    """values[t] for a small register vector (a masked sum: no dependent memory access)."""
+    return tl.sum(tl.where(e == t, values, 0), axis=0)
 
 
 @triton.jit
@@ -104,7 +112,8 @@ def split_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
-    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    TOPK_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Split layouts: cache [pages, Hkv, P, 2D] (bf16, fp16 or fp8), K = [..., :D], V = [..., D:]."""
     pid = tl.program_id(0)
@@ -121,66 +130,57 @@ def split_decode_kernel(
     qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     q = q.to(COMPUTE)
 
+    e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
+                                   stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for step in range(TILES_PER_SPLIT):
+    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
         tile = split * TILES_PER_SPLIT + step
-        j, page, used = _tile_page(topk_ptr, table_ptr, h, r, b, tile, limit, num_pages,
-                                   stride_th, stride_tr, stride_tk, stride_bt, CHUNKS, TOPK)
-        if used:
-            tok = (tile % CHUNKS) * BLOCK_N + offs
-            visible = j * PAGE + tok < n
-            rows = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
-            k = tl.load(rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
-            s = tl.dot(q, tl.trans(k)) * qk
-            s = tl.where(visible[None, :], s, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            v = tl.load(rows + HEAD_DIM + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v)
+        t = tile // CHUNKS
+        page = _pick(pages, e, t).to(tl.int64)
+        tok = (tile % CHUNKS) * BLOCK_N + offs
+        # tokens of this tile still visible: none when the entry is skipped
+        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t) * PAGE, 0)
+        rows = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
+        k = tl.load(rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+        s = tl.where(visible[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v = tl.load(rows + HEAD_DIM + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
     _finish(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
             stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
             WRITE_LSE, True)
 
 
 @triton.jit
-def _e2m1(codes):
-    """E2M1 codes (int32, low 4 bits) -> float32, from the bit pattern."""
-    sign = (codes >> 3) & 1
-    e = (codes >> 1) & 3
-    f = codes & 1
-    expo = tl.where(e > 0, e + 126, f * 126)
-    mant = tl.where(e > 0, f << 22, 0)
-    return ((sign << 31) | (expo << 23) | mant).to(tl.float32, bitcast=True)
+def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr):
+    """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2].
 
-
-@triton.jit
-def _e4m3(byte):
-    """float8_e4m3fn bytes (int32) -> float32, from the bit pattern (subnormals included)."""
-    sign = tl.where((byte >> 7) != 0, -1.0, 1.0)
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    return sign * tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-
-
-@triton.jit
-def _nvfp4_tile(slot, tok, dh, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                INTERLEAVED: tl.constexpr, dtype: tl.constexpr):
-    """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2]."""
-    codes = tl.load(slot + tok[:, None] * (HEAD_DIM // 2) + dh[None, :], mask=visible[:, None], other=0)
-    codes = codes.to(tl.int32)
-    group = dh // 8  # elements 2dh and 2dh+1 share the 16-group dh // 8
+    A code's magnitude bits shifted into an E4M3 byte (`m << 2`, sign to bit 7) are exactly the
+    E2M1 value times 2^-6 (codes 0 and 1 land on E4M3 zero and subnormal), so the hardware
+    fp8 conversion decodes them; the block scale (x 64) is exact in fp16/bf16, and so is the
+    product (at most 6 significant bits, within range)."""
+    GROUPS: tl.constexpr = HEAD_DIM // 16
+    gi = tl.arange(0, GROUPS)
+    bi = tl.arange(0, 8)
+    code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
+    codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
     if INTERLEAVED:
-        pos = (tok[:, None] // 4) * (4 * (HEAD_DIM // 16)) + group[None, :] * 4 + tok[:, None] % 4
+        pos = (tok[:, None] // 4) * (4 * GROUPS) + gi[None, :] * 4 + tok[:, None] % 4
     else:
-        pos = tok[:, None] * (HEAD_DIM // 16) + group[None, :]
-    scale = _e4m3(tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0).to(tl.int32))
-    even = (_e2m1(codes & 15) * scale).to(dtype)
-    odd = (_e2m1(codes >> 4) * scale).to(dtype)
-    return even, odd
+        pos = tok[:, None] * GROUPS + gi[None, :]
+    scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
+    scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
+    lo = ((codes << 2) & 0x1C) | ((codes << 4) & 0x80)
+    hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
+    even = lo.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
+    odd = hi.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
+    return tl.reshape(even, (BLOCK_N, HEAD_DIM // 2)), tl.reshape(odd, (BLOCK_N, HEAD_DIM // 2))
 
 
 @triton.jit
@@ -197,7 +197,8 @@ def nvfp4_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
-    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    TOPK_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """NVFP4 head slots: cache uint8 [pages, 2Hkv, P, D/2 + D/16]; slot 2h is K, 2h+1 is V.
     Even and odd head-dim elements are kept apart (low and high nibbles), so q is split the same
@@ -217,28 +218,31 @@ def nvfp4_decode_kernel(
     q_odd = tl.load(q_row + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0).to(COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
 
+    e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
+                                   stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     acc_odd = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for step in range(TILES_PER_SPLIT):
+    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
         tile = split * TILES_PER_SPLIT + step
-        j, page, used = _tile_page(topk_ptr, table_ptr, h, r, b, tile, limit, num_pages,
-                                   stride_th, stride_tr, stride_tk, stride_bt, CHUNKS, TOPK)
-        if used:
-            tok = (tile % CHUNKS) * BLOCK_N + offs
-            visible = j * PAGE + tok < n
-            k_slot = cache_ptr + page * stride_cp + (2 * h) * stride_ch
-            k_even, k_odd = _nvfp4_tile(k_slot, tok, dh, visible, PAGE, HEAD_DIM, False, COMPUTE)
-            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
-            s = tl.where(visible[None, :], s * qk, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            v_even, v_odd = _nvfp4_tile(k_slot + stride_ch, tok, dh, visible, PAGE, HEAD_DIM, True, COMPUTE)
-            p = p.to(COMPUTE)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        t = tile // CHUNKS
+        page = _pick(pages, e, t).to(tl.int64)
+        tok = (tile % CHUNKS) * BLOCK_N + offs
+        # tokens of this tile still visible: none when the entry is skipped
+        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t) * PAGE, 0)
+        k_slot = cache_ptr + page * stride_cp + (2 * h) * stride_ch
+        k_even, k_odd = _nvfp4_tile(k_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, False, COMPUTE)
+        s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+        s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
+        s = tl.where(visible[None, :], s * qk, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v_even, v_odd = _nvfp4_tile(k_slot + stride_ch, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE)
+        p = p.to(COMPUTE)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
     _finish(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
             stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
             WRITE_LSE, True)

@@ -15,6 +15,7 @@ from msa.validation import DecodeInputs
 __all__ = ["launch_decode", "interpreting", "Workspace"]
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_COMPUTE = {"fp16": tl.float16, "bf16": tl.bfloat16}
 
 
 def interpreting() -> bool:
@@ -30,6 +31,18 @@ class Workspace:
         size = rows if config.num_splits > 1 else 0
         self.partial_out = torch.empty((size, problem.geometry.head_dim), dtype=torch.float32, device=device)
         self.partial_ml = torch.empty((size, 2), dtype=torch.float32, device=device)
+
+
+def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: LaunchConfig) -> tuple[object, str]:
+    """(dtype of the dots, their input precision). Interpreter: fp32. A bf16/fp16 cache: its own
+    dtype when q matches (or is fp8), else fp32 with IEEE products. fp8/NVFP4: `config.compute`."""
+    if interpreting():
+        return tl.float32, "ieee"
+    if cache_dtype in _TL_DTYPES:
+        if q_dtype in (cache_dtype, torch.float8_e4m3fn):
+            return _TL_DTYPES[cache_dtype], "tf32"
+        return tl.float32, "ieee"
+    return _COMPUTE[config.compute], "tf32"
 
 
 def _scale_args(value: float | torch.Tensor) -> tuple[float, torch.Tensor | None]:
@@ -59,10 +72,7 @@ def launch_decode(
     if sm_t is not None:  # a tensor softmax scale rides with q_scale (both multiply the scores)
         qs_t = sm_t if qs_t is None else sm_t * qs_t
     qk_scale = sm * qs * ks * LOG2E
-    if interpreting():
-        compute = tl.float32
-    else:
-        compute = _TL_DTYPES.get(q.dtype, tl.bfloat16)
+    compute, precision = _compute_dtype(q.dtype, cache.dtype, config)
     topk, table = inputs.topk_indices, inputs.block_table
     lse_arg = lse if lse is not None else out
     kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
@@ -81,7 +91,8 @@ def launch_decode(
         BLOCK_G=config.block_g, BLOCK_N=config.block_n, GROUP_CHUNKS=config.group_chunks,
         NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         Q_SCALE_PTR=qs_t is not None, K_SCALE_PTR=ks_t is not None, V_SCALE_PTR=vs_t is not None,
-        WRITE_LSE=lse is not None, COMPUTE=compute,
+        WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision,
+        TOPK_PAD=max(2, 1 << max(g.topk - 1, 0).bit_length()), NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.num_splits > 1:
