@@ -19,8 +19,8 @@ LAYERS = {
     "builtin": 7,
     "registry": 8,
     "policy": 9,
-    "workload": 10, "oracle": 10,
-    "api": 11,
+    "workload": 10, "oracle": 10, "display": 10,
+    "api": 11, "bench": 11,
     "cli": 12, "__init__": 12, "__main__": 12,
 }
 

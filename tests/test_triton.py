@@ -35,10 +35,14 @@ def run_triton(kw: dict[str, Any], backend: TritonBackend, device: str = "cpu") 
     return out.cpu(), lse.cpu()
 
 
-def assert_matches_reference(kw: dict[str, Any], out: torch.Tensor, lse: torch.Tensor, rtol: float) -> None:
+def assert_matches_reference(
+    kw: dict[str, Any], out: torch.Tensor, lse: torch.Tensor, rtol: float, atol: float = 2e-4
+) -> None:
+    """Interpreter: fp32 dots, so only the output's rounding differs. GPU: bf16/fp16 dots (the
+    softmax weights are rounded to 8 or 11 bits), hence `atol` about 3e-3 there."""
     ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten (poisoned) elements"
-    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=2e-4)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=atol)
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty)
     assert (out[empty] == 0).all()
@@ -160,4 +164,4 @@ def test_triton_full_m3_shapes_on_gpu(tp: int, layout: str, length: int) -> None
 def test_triton_edge_cases_on_gpu(case: Case, splits: int, gen: torch.Generator) -> None:
     built = build(case, gen)
     out, lse = run_triton(built.kwargs, TritonBackend(num_splits=splits), device="cuda")
-    assert_matches_reference(built.kwargs, out, lse, rtol=2**-6)
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-6, atol=3e-3)

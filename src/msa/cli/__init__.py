@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from msa.cli import backends, demo, info
+from msa.cli import backends, bench, demo, info
 
 __all__ = ["main", "build_parser"]
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(subparsers)
     info.add_parsers(subparsers)
     backends.add_parsers(subparsers)
+    bench.add_parser(subparsers)
     return parser
 
 

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from msa.cli.table import format_table
+from msa.display import format_table
 from msa.layouts import get_layout
 from msa.platform import OPTIONAL_PACKAGES, Platform, detect
 from msa.policy import SelectionPolicy

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from msa.api import select_backend, sparse_decode
-from msa.cli.table import format_table, progress
+from msa.display import format_table, progress
 from msa.oracle import dense_masked_attention
 from msa.problem import MINIMAX_M3
 from msa.validation import check_decode_inputs

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from msa.api import available_backends
-from msa.cli.table import format_table
+from msa.display import format_table
 from msa.layouts import LAYOUT_NAMES, get_layout
 from msa.problem import MINIMAX_M3
 

@@ -58,7 +58,9 @@ class TritonBackend(Backend):
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
         sm_count = detect(device).sm_count
-        return choose_config(problem.geometry, problem.num_rows, sm_count, **self.config_overrides)
+        return choose_config(
+            problem.geometry, problem.num_rows, sm_count, kv_layout=problem.kv_layout, **self.config_overrides
+        )
 
     def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> TritonPlan:
         device = inputs.q.device

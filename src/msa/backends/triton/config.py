@@ -49,6 +49,7 @@ def choose_config(
     num_rows: int,
     sm_count: int,
     *,
+    kv_layout: str = "bfloat16",
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -60,18 +61,24 @@ def choose_config(
     When (row, KV head, group chunk) programs already fill `WAVES` programs per SM, one fused
     pass; otherwise the tiles of each row are split across programs (at most one tile each),
     and a small kernel merges the splits. Keyword arguments override the heuristic.
+
+    Defaults measured on the H200 (benchmarks/RESULTS.md, tune_triton.py): 64-token tiles,
+    4 warps, 3 pipeline stages for quantized caches and 2 for bf16/fp16; bf16/fp16 caches in
+    one fused pass take whole 128-token pages with 8 warps.
     """
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
-    if block_n is None:
-        block_n = min(g.page_size, 64 if g.head_dim <= 128 else 32)
-    block_n = min(block_n, g.page_size)
-    tiles = g.topk * (g.page_size // block_n)
+    quantized = kv_layout in ("fp8_e4m3", "nvfp4")
     programs = max(num_rows * g.num_kv_heads * group_chunks, 1)
     if num_splits is None:
         target = WAVES * sm_count
         num_splits = 1 if programs >= target else -(-target // programs)
+    wide = not quantized and num_splits == 1 and g.head_dim <= 128
+    if block_n is None:
+        block_n = 128 if wide else (64 if g.head_dim <= 128 else 32)
+    block_n = min(block_n, g.page_size)
+    tiles = g.topk * (g.page_size // block_n)
     num_splits = max(1, min(num_splits, tiles))
     per_split = -(-tiles // num_splits)
     return LaunchConfig(
@@ -80,7 +87,7 @@ def choose_config(
         group_chunks=group_chunks,
         num_splits=-(-tiles // per_split),
         tiles_per_split=per_split,
-        num_warps=num_warps if num_warps is not None else (8 if block_g * g.head_dim > 8192 else 4),
-        num_stages=num_stages if num_stages is not None else 2,
+        num_warps=num_warps if num_warps is not None else (8 if wide or block_g * g.head_dim > 8192 else 4),
+        num_stages=num_stages if num_stages is not None else (3 if quantized else 2),
         compute=compute if compute is not None else "fp16",
     )

@@ -1,0 +1,215 @@
+"""The benchmark sweep: layouts x TP head layouts x batch sizes x query lengths, each timed for
+every requested backend and baseline, eager and as CUDA-graph replays, with L2 flushed."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from msa.bench.baselines import flex_attend, torch_gather_attend
+from msa.bench.timing import Timer, copy_bandwidth
+from msa.display import format_table
+from msa.planning import resolve_entries
+from msa.problem import MINIMAX_M3_TP
+from msa.registry import get_registry
+from msa.validation import check_decode_inputs
+from msa.workload import DecodeStep, indexer_topk, make_decode_step
+
+__all__ = ["BenchConfig", "run_sweep", "step_bytes", "plot"]
+
+BASELINES: dict[str, Callable[..., Callable[[], torch.Tensor]]] = {"torch": torch_gather_attend, "flex": flex_attend}
+
+
+@attrs.frozen
+class BenchConfig:
+    """What to sweep. `same_tokens`: for L > 1, use `B // L` requests so that every query
+    length runs the same number of query tokens as L = 1 at batch B."""
+
+    layouts: tuple[str, ...] = ("bfloat16", "fp8_e4m3", "nvfp4")
+    batches: tuple[int, ...] = (1, 16, 64, 128, 256)
+    query_lens: tuple[int, ...] = (1,)
+    tps: tuple[int, ...] = (1,)
+    context: int = 65536
+    backends: tuple[str, ...] = ("triton",)
+    baselines: tuple[str, ...] = ("torch",)
+    baseline_max_batch: int = 64
+    graph: bool = True
+    same_tokens: bool = False
+    reps: int = 50
+    seed: int = 0
+
+
+def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
+    """Bytes a step must move: the visible tokens of the selected pages (K + V, scales included)
+    plus q and out."""
+    g, layout = step.geometry, step.layout
+    used, block, _, visible = resolve_entries(
+        kw["topk_indices"], kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"],
+        page_size=g.page_size, num_pages=step.kv_cache.shape[0],
+    )
+    tokens = (visible.view(1, -1, 1) - block * g.page_size).clamp(0, g.page_size) * used
+    q = kw["q"]
+    return int(int(tokens.sum()) * layout.bytes_per_token(g.head_dim) + q.numel() * q.element_size() + q.numel() * 2)
+
+
+def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator) -> dict[str, Any]:
+    """The first `batch` requests of `step`, with `length` query tokens each: fresh q and indices."""
+    kw = step.kwargs()
+    seq_lens = step.seq_lens[:batch]
+    table = step.block_table[:batch]
+    g = step.geometry
+    kw.update(
+        seq_lens=seq_lens,
+        block_table=table,
+        decode_query_len=length,
+        q=torch.randn((batch * length, g.num_q_heads, g.head_dim), device=seq_lens.device, generator=generator).to(step.q.dtype),
+        topk_indices=indexer_topk(
+            seq_lens, decode_query_len=length, num_kv_heads=g.num_kv_heads, topk=g.topk,
+            page_size=g.page_size, max_blocks=table.shape[1], generator=generator,
+        ),
+    )
+    return kw
+
+
+def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
+    backend = get_registry().get(name)
+    problem, inputs = check_decode_inputs(**kw)
+    plan = backend.plan(problem, inputs)
+    out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
+
+    def call() -> None:
+        backend.run(plan, inputs, out, None)
+
+    times = {"eager": timer.eager(call)}
+    if graph:
+        times["graph"] = timer.graph(call)
+    return times, out
+
+
+def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.stderr) -> dict[str, Any]:
+    """Run the sweep; returns (and writes as JSON under `out_dir`) every measurement."""
+    timer = Timer(reps=config.reps)
+    copy_gbps = copy_bandwidth(timer)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", file=log, flush=True)
+    generator = torch.Generator(device="cuda")
+    generator.manual_seed(config.seed)
+    rows: list[dict[str, Any]] = []
+    cases = [(layout, tp) for layout in config.layouts for tp in config.tps]
+    for n_case, (layout, tp) in enumerate(cases, 1):
+        geometry = MINIMAX_M3_TP[tp]
+        step = make_decode_step(
+            geometry, batch_size=max(config.batches), context_len=config.context, kv_cache_dtype=layout,
+            device="cuda", seed=config.seed,
+        )
+        cache_gib = step.kv_cache.numel() * step.kv_cache.element_size() / 2**30
+        print(f"[{n_case}/{len(cases)}] {layout} TP{tp}: cache {cache_gib:.1f} GiB", file=log, flush=True)
+        for batch in config.batches:
+            for length in config.query_lens:
+                requests = max(batch // length, 1) if config.same_tokens else batch
+                kw = _case(step, requests, length, generator)
+                n_bytes = step_bytes(kw, step)
+                ref_out = _reference(kw)
+                for name in config.backends:
+                    times, out = _time_backend(name, kw, timer, config.graph)
+                    err = (out.float() - ref_out.float()).abs().max().item()
+                    for mode, micros in times.items():
+                        rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, name,
+                                         mode, micros, n_bytes, copy_gbps, err))
+                        _print(rows[-1], log)
+                for base in config.baselines:
+                    if batch > config.baseline_max_batch:
+                        continue
+                    try:
+                        fn = BASELINES[base](kw, step.layout)
+                        micros = timer.eager(fn)
+                        err = (fn().float().reshape(ref_out.shape) - ref_out.float()).abs().max().item()
+                    except Exception as exc:  # e.g. FlexAttention that does not compile here
+                        print(f"  {base}: unavailable ({type(exc).__name__}: {str(exc)[:160]})", file=log, flush=True)
+                        continue
+                    rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, base,
+                                     "eager", micros, n_bytes, copy_gbps, err))
+                    _print(rows[-1], log)
+        del step
+        torch.cuda.empty_cache()
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": attrs.asdict(config),
+        "copy_gbps": copy_gbps,
+        "rows": rows,
+    }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+        plot(result, out_dir / "bench.png", log)
+    return result
+
+
+def _reference(kw: dict[str, Any]) -> torch.Tensor:
+    from msa.api import sparse_decode
+
+    out = sparse_decode(**kw, backend="reference")
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _row(layout: str, tp: int, hq: int, hkv: int, batch: int, length: int, backend: str, mode: str,
+         micros: float, n_bytes: int, copy_gbps: float, err: float) -> dict[str, Any]:
+    gbps = n_bytes / micros / 1e3
+    return dict(layout=layout, tp=tp, heads=f"{hq}/{hkv}", batch=batch, query_len=length, backend=backend,
+                mode=mode, us=micros, bytes=n_bytes, gbps=gbps, frac_copy=gbps / copy_gbps,
+                us_per_token=micros / (batch * length), max_err=err)
+
+
+def _print(row: dict[str, Any], log: Any) -> None:
+    print(f"  {row['layout']:9s} {row['heads']:5s} B={row['batch']:4d} L={row['query_len']:2d} {row['backend']:9s} "
+          f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} err {row['max_err']:.1e}",
+          file=log, flush=True)
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    rows = [
+        [r["layout"], r["heads"], r["batch"], r["query_len"], r["backend"], r["mode"], round(r["us"], 1),
+         round(r["gbps"]), round(r["frac_copy"], 2), f"{r['max_err']:.1e}"]
+        for r in result["rows"]
+    ]
+    return format_table(["layout", "heads", "B", "L", "backend", "mode", "us", "GB/s", "x copy", "max err"], rows)
+
+
+def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
+    """Bandwidth against batch size, one line per (layout, heads, L, backend, mode)."""
+    try:
+        matplotlib: Any = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib; msa bench --plot FILE.json)", file=log)
+        return
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    lines: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
+    for r in result["rows"]:
+        key = (r["layout"], r["heads"], r["query_len"], r["backend"], r["mode"])
+        lines.setdefault(key, []).append((r["batch"] * r["query_len"], r["gbps"]))
+    for (layout, heads, length, backend, mode), points in sorted(lines.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                label=f"{backend} {mode} {layout} {heads} L={length}")
+    ax.axhline(result["copy_gbps"], color="black", linestyle="--", label="device copy (read+write)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("query tokens per step (B x L)")
+    ax.set_ylabel("GB/s (visible selected K+V, q, out)")
+    ax.set_title(f"msa sparse decode, {result['device']}, {result['date']}")
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", file=log)

@@ -1,0 +1,72 @@
+"""GPU timers: medians of CUDA-event times with L2 flushed before every repetition, eager or as
+CUDA-graph replays."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Timer", "copy_bandwidth"]
+
+_FLUSH_BYTES = 512 * 2**20  # far larger than the H200's ~50-60 MB L2
+
+
+def _event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+class Timer:
+    """Times a callable on the current CUDA device.
+
+    Args:
+        reps: timed repetitions (median reported).
+        warmup: untimed calls first (compilation, autotuning, allocator warm-up).
+    """
+
+    def __init__(self, reps: int = 50, warmup: int = 5) -> None:
+        self.reps = reps
+        self.warmup = warmup
+        self._flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def _measure(self, call: Callable[[], object]) -> float:
+        start = [_event() for _ in range(self.reps)]
+        end = [_event() for _ in range(self.reps)]
+        for i in range(self.reps):
+            self._flush.zero_()  # evict the step's pages from L2
+            start[i].record()
+            call()
+            end[i].record()
+        torch.cuda.synchronize()
+        return float(statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end)))
+
+    def eager(self, fn: Callable[[], object]) -> float:
+        """Median microseconds of `fn()` launched from Python."""
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        return self._measure(fn)
+
+    def graph(self, fn: Callable[[], object]) -> float:
+        """Median microseconds of a CUDA-graph replay of `fn()` (captured once)."""
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return self._measure(graph.replay)
+
+
+def copy_bandwidth(timer: Timer, n_bytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting read + write bytes."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    micros = timer.eager(lambda: dst.copy_(src))
+    return 2 * n_bytes / micros / 1e3

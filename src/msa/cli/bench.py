@@ -1,0 +1,58 @@
+"""`msa bench`: the benchmark sweep on the current GPU (see msa.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_parser"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("bench", help="time the backends on this GPU (L2 flushed, eager and graph replay)")
+    p.add_argument("--layouts", type=_names, default=("bfloat16", "fp8_e4m3", "nvfp4"))
+    p.add_argument("--batches", type=_ints, default=(1, 16, 64, 128, 256))
+    p.add_argument("--query-lens", type=_ints, default=(1,))
+    p.add_argument("--same-tokens", action="store_true", help="L > 1 runs B // L requests")
+    p.add_argument("--tp", type=_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
+    p.add_argument("--context", type=int, default=65536, help="tokens per request (default 65536)")
+    p.add_argument("--backends", type=_names, default=("triton",))
+    p.add_argument("--baselines", type=_names, default=("torch",), help="torch, flex (or empty)")
+    p.add_argument("--baseline-max-batch", type=int, default=64)
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for bench.json and bench.png")
+    p.add_argument("--plot", type=Path, default=None, help="only draw the plot of an existing bench.json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from msa.bench.sweep import BenchConfig, plot, run_sweep, summary_table
+
+    if args.plot is not None:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return 0
+    if not torch.cuda.is_available():
+        print("msa bench needs a CUDA GPU (try `msa demo` on the CPU)")
+        return 2
+    config = BenchConfig(
+        layouts=args.layouts, batches=args.batches, query_lens=args.query_lens, tps=args.tp,
+        context=args.context, backends=args.backends, baselines=args.baselines,
+        baseline_max_batch=args.baseline_max_batch, graph=not args.no_graph,
+        same_tokens=args.same_tokens, reps=args.reps,
+    )
+    result = run_sweep(config, args.out)
+    print(summary_table(result))
+    print(f"results: {args.out / 'bench.json'}")
+    return 0
