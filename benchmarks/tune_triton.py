@@ -41,7 +41,6 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     copy_bw = 2 * src.numel() / copy_ms / 1e6
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    del src, dst
     results = []
     variants = [dict(block_n=bn, num_stages=st, num_warps=w) for bn, st, w in itertools.product((64, 128), (2, 3, 4), (4, 8))]
     for layout in ("bfloat16", "fp8_e4m3", "nvfp4"):
