@@ -10,7 +10,7 @@ from msa.problem import Geometry
 __all__ = ["LaunchConfig", "choose_config"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
-WAVES = 2
+WAVES = 4
 
 
 def _next_pow2(n: int) -> int:
@@ -72,8 +72,10 @@ def choose_config(
     quantized = kv_layout in ("fp8_e4m3", "nvfp4")
     programs = max(num_rows * g.num_kv_heads * group_chunks, 1)
     if num_splits is None:
-        target = WAVES * sm_count
-        num_splits = 1 if programs >= target else -(-target // programs)
+        # one fused pass once the grid holds 2 programs per SM (1 for quantized caches, whose
+        # programs are longer); else split each row's tiles, aiming at WAVES programs per SM
+        full = (1 if quantized else 2) * sm_count
+        num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
     wide = not quantized and num_splits == 1 and g.head_dim <= 128
     if block_n is None:
         block_n = 128 if wide else (64 if g.head_dim <= 128 else 32)
