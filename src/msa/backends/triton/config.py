@@ -62,9 +62,10 @@ def choose_config(
     pass; otherwise the tiles of each row are split across programs (at most one tile each),
     and a small kernel merges the splits. Keyword arguments override the heuristic.
 
-    Defaults measured on the H200 (benchmarks/RESULTS.md, tune_triton.py): 64-token tiles,
-    4 warps, 3 pipeline stages for quantized caches and 2 for bf16/fp16; bf16/fp16 caches in
-    one fused pass take whole 128-token pages with 8 warps.
+    Defaults measured on the H200 (benchmarks/RESULTS.md; tune_triton.py, tune_splits.py,
+    tune_stages.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized caches and 2 for
+    bf16/fp16; in one fused pass, bf16/fp16 and fp8 caches take whole 128-token pages (bf16 and
+    fp16 with 8 warps).
     """
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
@@ -78,7 +79,8 @@ def choose_config(
         num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
     wide = not quantized and num_splits == 1 and g.head_dim <= 128
     if block_n is None:
-        block_n = 128 if wide else (64 if g.head_dim <= 128 else 32)
+        whole_pages = num_splits == 1 and g.head_dim <= 128 and kv_layout != "nvfp4"
+        block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
     num_splits = max(1, min(num_splits, tiles))
