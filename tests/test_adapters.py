@@ -14,8 +14,10 @@ import torch
 
 import msa
 from msa.backends.cutlass_sm100 import CutlassSM100Backend
-from msa.backends.flashinfer import FlashInferBackend
+from msa.backends.flashinfer import FlashInferBackend, FlashInferPlan
 from msa.errors import MSAUnsupportedError
+from msa.planner import DecodePlanner
+from msa.planning import StepTables
 from msa.platform import Platform
 from msa.policy import SelectionPolicy
 from msa.registry import BackendRegistry
@@ -62,13 +64,23 @@ def _malform(kw: dict[str, Any], gen: torch.Generator) -> None:
     kw["seq_lens"] = lens
 
 
-def _run(backend: Any, kw: dict[str, Any], lse: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
-    problem, inputs = check_decode_inputs(**kw, return_lse=lse)
-    plan = backend.plan(problem, inputs)
+def _planner(kw: dict[str, Any], backend: str = "auto", lse: bool = False, max_plans: int = 16) -> DecodePlanner:
+    problem, _ = check_decode_inputs(**kw)
+    return DecodePlanner(
+        problem.geometry, kv_cache_dtype=problem.kv_layout, backend=backend, device="cpu",
+        q_dtype=torch.float8_e4m3fn, with_lse=lse, platform=SM100, max_plans=max_plans,
+        policy=SelectionPolicy(BackendRegistry(environ={}), environ={}),
+    )
+
+
+def _run(planner: DecodePlanner, kw: dict[str, Any], lse: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """Plan and run one step with poisoned outputs; returns (the backend's plan, out, lse)."""
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
     out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16)
     lse_t = torch.full(kw["q"].shape[:2], float("nan")) if lse else None
-    backend.run(plan, inputs, out, lse_t)
-    return plan, out, lse_t
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse_t,
+                k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    return plan.backend_plan, out, lse_t
 
 
 def _reference(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,16 +103,12 @@ def _assert_matches_reference(out: torch.Tensor, kw: dict[str, Any], lse: torch.
 ])
 def test_cutlass_adapter_against_fake_library(layout: str, batch: int, length: int, heads: tuple[int, int], fakes: dict[str, Any], seed: int, gen: torch.Generator) -> None:
     fmha = fakes["fmha"]
-    registry = BackendRegistry(environ={})
-    policy = SelectionPolicy(registry, environ={})
     step = _step(layout, batch, length, heads, seed)
     kw = step.kwargs()
     _malform(kw, gen)
-    problem, _ = check_decode_inputs(**kw)
-    chosen, selection = policy.select(problem, SM100, "cutlass")
-    assert isinstance(chosen, CutlassSM100Backend) and selection.chosen == "cutlass_sm100"
-
-    plan, out, _ = _run(chosen, kw)
+    planner = _planner(kw, "cutlass")
+    plan, out, _ = _run(planner, kw)
+    assert planner.plans.keys()[0].backend == "cutlass_sm100"
     _assert_matches_reference(out, kw)
     assert len(fmha.PLAN_CALLS) == 1
     call = fmha.PLAN_CALLS[0]
@@ -117,8 +125,8 @@ def test_cutlass_adapter_against_fake_library(layout: str, batch: int, length: i
     kw["seq_lens"].copy_(new_lens)
     kw["q"].copy_(torch.randn(kw["q"].shape, generator=gen).to(torch.float8_e4m3fn))
     kw["topk_indices"].copy_(kw["topk_indices"].flip(-1))  # order must not matter
-    plan2, out2, _ = _run(chosen, kw)
-    assert plan2 is plan and len(fmha.PLAN_CALLS) == 1 and chosen.plans.hits == 1
+    plan2, out2, _ = _run(planner, kw)
+    assert plan2 is plan and len(fmha.PLAN_CALLS) == 1 and planner.plans.hits == 1
     assert {k: v.data_ptr() for k, v in plan.decode.items() if isinstance(v, torch.Tensor)} == addresses
     row_req = torch.arange(batch * length) // length
     local = torch.arange(batch * length) % length
@@ -127,47 +135,44 @@ def test_cutlass_adapter_against_fake_library(layout: str, batch: int, length: i
     _assert_matches_reference(out2, kw)
 
 
-def test_cutlass_plan_cache_keys(fakes: dict[str, Any], seed: int) -> None:
-    backend = CutlassSM100Backend(max_plans=2)
+def test_cutlass_plans_per_shape(fakes: dict[str, Any], seed: int) -> None:
     kw = _step("fp8_e4m3", 16, 1, (16, 1), seed).kwargs()
-    plan_a, _, _ = _run(backend, kw)
+    planner = _planner(kw, "cutlass", max_plans=2)
+    plan_a, _, _ = _run(planner, kw)
     kw2 = _step("fp8_e4m3", 16, 2, (16, 1), seed).kwargs()
-    plan_b, _, _ = _run(backend, kw2)
+    plan_b, _, _ = _run(planner, kw2)
     assert plan_b is not plan_a and plan_b.key.query_len == 2
     wide = torch.full((16, 40), -1, dtype=torch.int32)
     wide[:, : kw["block_table"].shape[1]] = kw["block_table"]
     kw["block_table"] = wide[:, : kw["block_table"].shape[1]]  # a view with a longer row stride
-    plan_c, out, _ = _run(backend, kw)
+    plan_c, out, _ = _run(planner, kw)
     assert plan_c.key.table_stride == 40 and plan_c is not plan_a
     _assert_matches_reference(out, kw)
-    assert len(backend.plans) == 2 and backend.plans.evictions == 1
-    assert plan_a.key not in backend.plans  # least recently used went first
+    assert len(fakes["fmha"].PLAN_CALLS) == 3 and planner.plans.evictions == 1
 
 
 def test_cutlass_stages_non_contiguous_out(fakes: dict[str, Any], seed: int) -> None:
-    backend = CutlassSM100Backend()
     kw = _step("nvfp4", 2, 1, (16, 1), seed).kwargs()
-    problem, inputs = check_decode_inputs(**kw)
-    plan = backend.plan(problem, inputs)
+    planner = _planner(kw)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    assert plan.backend.name == "cutlass_sm100", "auto picks the CUTLASS route for nvfp4 caches"
     buf = torch.full((2, 16, 160), float("nan"), dtype=torch.bfloat16)
     out = buf[:, :, 16:144]
-    backend.run(plan, inputs, out, None)
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
     _assert_matches_reference(out, kw)
     assert torch.isnan(buf[:, :, :16]).all()
 
 
 def test_flashinfer_adapter_against_fake_library(fakes: dict[str, Any], seed: int, gen: torch.Generator) -> None:
     fi = fakes["fi"]
-    policy = SelectionPolicy(BackendRegistry(environ={}), environ={})
     kw = _step("fp8_e4m3", 3, 4, (32, 2), seed).kwargs()
     _malform(kw, gen)
-    problem, _ = check_decode_inputs(**kw, return_lse=True)
-    chosen, selection = policy.select(problem, SM100)
-    assert isinstance(chosen, FlashInferBackend), selection.explain()
-    plan, out, lse = _run(chosen, kw, lse=True)
+    planner = _planner(kw, lse=True)
+    plan, out, lse = _run(planner, kw, lse=True)
+    assert isinstance(plan, FlashInferPlan) and planner.plans.keys()[0].backend == "flashinfer"
     _assert_matches_reference(out, kw, lse)
     assert fi.CALLS[-1]["seqlen_q"] == 4 and fi.CALLS[-1]["return_softmax_lse"] is True
-    plan2, out2, _ = _run(chosen, kw)
+    plan2, out2, _ = _run(planner, kw)
     assert plan2 is plan and plan2.workspace is plan.workspace
     _assert_matches_reference(out2, kw)
 
@@ -177,7 +182,8 @@ def test_adapters_without_their_library_raise_clearly(seed: int) -> None:
         sys.modules.pop(name, None)
     kw = _step("fp8_e4m3", 16, 1, (16, 1), seed).kwargs()
     problem, inputs = check_decode_inputs(**kw)
+    tables = StepTables.build(kw["block_table"], kw["seq_lens"], decode_query_len=1)
     with pytest.raises(MSAUnsupportedError, match="backend 'cutlass_sm100' needs the 'fmha_sm100' package"):
-        CutlassSM100Backend().plan(problem, inputs)
+        CutlassSM100Backend().plan(problem, tables)
     with pytest.raises(MSAUnsupportedError, match="backend 'flashinfer' needs the 'flashinfer.msa_ops' package"):
-        FlashInferBackend().plan(problem, inputs)
+        FlashInferBackend().plan(problem, tables)

@@ -20,7 +20,7 @@ LAYERS = {
     "registry": 8,
     "policy": 9,
     "workload": 10, "oracle": 10, "display": 10,
-    "api": 11, "bench": 11,
+    "planner": 11, "api": 11, "bench": 11,
     "cli": 12, "__init__": 12, "__main__": 12,
 }
 

@@ -12,6 +12,7 @@ from msa import errors, layouts
 from msa.api import available_backends, select_backend, sparse_decode
 from msa.errors import MSAError, MSAInputError, MSAPluginError, MSAUnsupportedError
 from msa.layouts import KVLayout, get_layout
+from msa.planner import DecodePlan, DecodePlanner, PlanKey
 from msa.problem import MINIMAX_M3, MINIMAX_M3_TP, DecodeProblem, Geometry
 
 __version__ = "0.1.0"
@@ -19,6 +20,9 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "sparse_decode",
+    "DecodePlanner",
+    "DecodePlan",
+    "PlanKey",
     "select_backend",
     "available_backends",
     "Geometry",

@@ -1,10 +1,15 @@
-"""The public entry points: validate -> select -> run."""
+"""The one-shot entry point: validate -> plan (cached per shape) -> run."""
 
 from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
 from msa.backends.base import Backend
+from msa.planner import DecodePlanner
 from msa.platform import detect
 from msa.policy import default_policy
 from msa.problem import DecodeProblem
@@ -102,17 +107,40 @@ def sparse_decode(
     )
     if validation_requested(validate):
         check_decode_data(problem, inputs)
-    chosen, _ = default_policy().select(problem, detect(q.device), backend)
+    planner = _one_shot_planner(problem, inputs.layout.name, backend, q.device)
+    plan = planner.plan(inputs.block_table, inputs.seq_lens, decode_query_len=decode_query_len)
     g = problem.geometry
     out_t = inputs.out
     if out_t is None:
-        out_t = torch.empty(
-            (problem.num_rows, g.num_q_heads, g.head_dim), dtype=problem.out_dtype, device=q.device
-        )
+        out_t = torch.empty((problem.num_rows, g.num_q_heads, g.head_dim), dtype=problem.out_dtype, device=q.device)
     lse_t = inputs.lse
     if lse_t is None and problem.return_lse:
         lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=q.device)
-    chosen.run(chosen.plan(problem, inputs), inputs, out_t, lse_t)
+    planner.run(
+        plan, q, kv_cache, topk_indices, out=out_t, lse=lse_t, sm_scale=inputs.sm_scale,
+        q_scale=inputs.q_scale, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+    )
     if lse_t is not None:
         return out_t, lse_t
     return out_t
+
+
+_PLANNERS: OrderedDict[tuple[Any, ...], DecodePlanner] = OrderedDict()
+_MAX_PLANNERS = 16
+
+
+def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device: torch.device) -> DecodePlanner:
+    """The planner `sparse_decode` shares between calls of the same configuration (bounded)."""
+    env = os.environ.get("MSA_BACKEND", "")
+    key = (problem.geometry, layout, backend, env, str(device), problem.q_dtype, problem.return_lse, id(get_registry()))
+    planner = _PLANNERS.get(key)
+    if planner is None:
+        planner = DecodePlanner(
+            problem.geometry, kv_cache_dtype=layout, backend=backend, device=device,
+            q_dtype=problem.q_dtype, with_lse=problem.return_lse,
+        )
+        _PLANNERS[key] = planner
+        while len(_PLANNERS) > _MAX_PLANNERS:
+            _PLANNERS.popitem(last=False)
+    _PLANNERS.move_to_end(key)
+    return planner

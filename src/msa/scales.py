@@ -8,7 +8,7 @@ import torch
 
 from msa.errors import MSAInputError
 
-__all__ = ["Scale", "check_scale", "scale_tensor"]
+__all__ = ["Scale", "check_scale", "scale_tensor", "apply_scale"]
 
 #: A scale: a python float, or a one-element fp32 tensor on the device of the data it scales.
 Scale = Union[float, torch.Tensor]
@@ -46,3 +46,10 @@ def scale_tensor(value: Scale, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.reshape(()).to(device=device, dtype=torch.float32)
     return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def apply_scale(x: torch.Tensor, value: Scale) -> torch.Tensor:
+    """`x * value` without a host-to-device copy for python floats (capturable)."""
+    if isinstance(value, torch.Tensor):
+        return x * value.reshape(()).to(dtype=torch.float32)
+    return x * value if value != 1.0 else x

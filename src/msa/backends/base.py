@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from msa.backends.capabilities import DEFAULT_RULES, Capabilities, Rule
+from msa.planning import StepTables
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
@@ -68,8 +69,13 @@ class Backend(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> Any:
-        """Prepare a step (outside CUDA-graph capture): metadata, workspaces. Returns the plan."""
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> Any:
+        """Prepare a step shape (outside CUDA-graph capture): allocate workspaces and metadata
+        sized for `problem`. Called once per shape; the planner caches the result."""
+
+    def refresh(self, plan: Any, tables: StepTables) -> None:
+        """Bring `plan`'s device metadata up to date with `tables`, in place (outside capture,
+        every step; device work only). The planner has already refreshed `tables.rows`."""
 
     @abc.abstractmethod
     def run(
@@ -79,4 +85,5 @@ class Backend(abc.ABC):
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
-        """Compute the step into `out` `[B*L, Hq, D]` (and `lse` `[B*L, Hq]` when given)."""
+        """Compute the step into `out` `[B*L, Hq, D]` (and `lse` `[B*L, Hq]` when given).
+        Capturable: allocates nothing, never synchronises, never copies to the host."""

@@ -2,10 +2,10 @@
 adapter drives it.
 
 - One library plan per step shape (batch, query length, block-table row stride, Hq, Hkv, page
-  size, top-k, layout), cached. Its `kv_page_indptr` is rewritten once so every query row points
+  size, top-k, layout), cached by the planner. Its `kv_page_indptr` is rewritten once so every query row points
   at its request's block-table row (`(r // L) * row_stride`); the library then reads pages through
   the flattened block table.
-- Every `plan` refreshes `kv_segment_lens[r] = seq_lens[b]` and `qo_offset[r] = seq_lens[b] - L + i`
+- Every `plan` (`refresh`) rewrites `kv_segment_lens[r] = seq_lens[b]` and `qo_offset[r] = seq_lens[b] - L + i`
   in the library plan's own buffers, in place, on the device.
 - Every `run` rewrites the index lists into a plan-owned token-major buffer, ascending with `-1`
   padding at the tail and every SPEC §3-skipped entry removed (the library expects that form),
@@ -33,7 +33,7 @@ from msa.backends.external import (
     nvfp4_slot_views,
     split_kv_views,
 )
-from msa.planning import PlanCache, RowMetadata, compact_topk
+from msa.planning import RowMetadata, StepTables, compact_topk
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
@@ -106,9 +106,6 @@ class CutlassSM100Backend(Backend):
         lse=False,
     )
 
-    def __init__(self, max_plans: int = 16) -> None:
-        self.plans: PlanCache[CutlassPlanKey, CutlassPlan] = PlanCache(max_plans)
-
     def version(self) -> str:
         return library_version(LIBRARY)
 
@@ -137,23 +134,17 @@ class CutlassSM100Backend(Backend):
             device=str(device),
         )
 
-    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> CutlassPlan:
-        """The cached plan for this shape, its lengths and offsets refreshed from `seq_lens`."""
-        device = inputs.q.device
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> CutlassPlan:
+        """A library plan for this shape (the planner caches it) with msa's buffers beside it."""
+        device = tables.seq_lens.device
         key = self.plan_key(problem, device)
-        plan = self.plans.get_or_create(key, lambda: self._create(key, inputs))
-        plan.rows.refresh(inputs.seq_lens)
-        return plan
-
-    def _create(self, key: CutlassPlanKey, inputs: DecodeInputs) -> CutlassPlan:
         lib = self._library()
-        device = inputs.q.device
         b, length, stride = key.batch_size, key.query_len, key.table_stride
         rows = b * length
         qo_lens = torch.full((b,), length, dtype=torch.int32)
         # Read once, when the shape is first planned: the library schedules every row for
         # top-k * P tokens, so later steps only refresh lengths and offsets in place.
-        kv_lens = inputs.seq_lens.to("cpu")
+        kv_lens = tables.seq_lens_cpu if tables.seq_lens_cpu is not None else tables.seq_lens.to("cpu")
         extra = {"kv_dtype": "nvfp4"} if key.kv_layout == "nvfp4" else {}
         library_plan = lib.fmha_sm100_plan(
             qo_lens,
@@ -175,7 +166,7 @@ class CutlassSM100Backend(Backend):
         # row r reads its request's block-table row; the last entry closes row R-1: B * stride
         starts = torch.arange(rows + 1, device=device, dtype=torch.int32) // length * stride
         decode["kv_page_indptr"].copy_(starts)
-        return CutlassPlan(
+        plan = CutlassPlan(
             key=key,
             library_plan=library_plan,
             decode=decode,
@@ -184,9 +175,16 @@ class CutlassSM100Backend(Backend):
             ),
             topk=torch.empty((rows, key.num_kv_heads, key.topk), dtype=torch.int32, device=device),
             out=torch.empty(
-                (rows, key.num_q_heads, inputs.q.shape[-1]), dtype=torch.bfloat16, device=device
+                (rows, key.num_q_heads, problem.geometry.head_dim), dtype=torch.bfloat16, device=device
             ),
         )
+        self.refresh(plan, tables)
+        return plan
+
+    def refresh(self, plan: Any, tables: StepTables) -> None:
+        """Rewrite the library plan's `kv_segment_lens` and `qo_offset` from `seq_lens`, in place."""
+        p: CutlassPlan = plan
+        p.rows.refresh(tables.seq_lens)
 
     def run(
         self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None

@@ -17,7 +17,7 @@ import torch
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
 from msa.backends.external import host_float, import_library, library_version, split_kv_views
-from msa.planning import PlanCache, compact_topk
+from msa.planning import StepTables, compact_topk
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
@@ -55,32 +55,23 @@ class FlashInferBackend(Backend):
         lse=True,
     )
 
-    def __init__(self, max_plans: int = 16) -> None:
-        self.plans: PlanCache[tuple[Any, ...], FlashInferPlan] = PlanCache(max_plans)
-
     def version(self) -> str:
         return library_version("flashinfer-python") or library_version("flashinfer")
 
     def _library(self) -> ModuleType:
         return import_library(self.name, LIBRARY)
 
-    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> FlashInferPlan:
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> FlashInferPlan:
         g = problem.geometry
-        device = inputs.q.device
+        device = tables.seq_lens.device
         key = (problem.batch_size, problem.query_len, g.num_q_heads, g.num_kv_heads, problem.kv_layout, str(device))
-
-        def create() -> FlashInferPlan:
-            lib = self._library()
-            factory = getattr(lib, "MSASparseAttentionWorkspace", None)
-            return FlashInferPlan(
-                key=key,
-                workspace=factory(device) if factory is not None else None,
-                indices=torch.empty(
-                    (g.num_kv_heads, problem.num_rows, g.topk), dtype=torch.int32, device=device
-                ),
-            )
-
-        return self.plans.get_or_create(key, create)
+        lib = self._library()
+        factory = getattr(lib, "MSASparseAttentionWorkspace", None)
+        return FlashInferPlan(
+            key=key,
+            workspace=factory(device) if factory is not None else None,
+            indices=torch.empty((g.num_kv_heads, problem.num_rows, g.topk), dtype=torch.int32, device=device),
+        )
 
     def run(
         self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None

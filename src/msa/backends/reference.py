@@ -9,15 +9,22 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.planning.indices import resolve_entries
+from msa.planning import StepTables, resolve_entries
 from msa.problem import DecodeProblem
-from msa.scales import scale_tensor
+from msa.scales import Scale, scale_tensor
 from msa.validation import DecodeInputs
 
 __all__ = ["ReferenceBackend", "CHUNK_BYTES"]
 
 #: Upper bound on the dequantized K and V held at once (bytes); rows are processed in chunks.
 CHUNK_BYTES = 512 * 2**20
+
+
+def _product(a: Scale, b: Scale, device: torch.device) -> Scale:
+    """a * b, staying a python float when both are (no host-to-device copy: capturable)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return scale_tensor(a, device) * scale_tensor(b, device)
+    return a * b
 
 
 class ReferenceBackend(Backend):
@@ -30,7 +37,7 @@ class ReferenceBackend(Backend):
         query_lens=(1, 2**31 - 1),
     )
 
-    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> DecodeProblem:
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> DecodeProblem:
         return problem
 
     def run(
@@ -50,9 +57,9 @@ class ReferenceBackend(Backend):
             inputs.seq_lens,
             decode_query_len=problem.query_len,
             page_size=p,
-            num_pages=problem.num_pages,
+            num_pages=inputs.kv_cache.shape[0],
         )
-        score_scale = scale_tensor(inputs.sm_scale, device) * scale_tensor(inputs.q_scale, device)
+        score_scale = _product(inputs.sm_scale, inputs.q_scale, device)
         q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]
         heads = torch.arange(hkv, device=device).view(hkv, 1, 1)
         offsets = torch.arange(p, device=device)

@@ -19,7 +19,7 @@ from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
 from msa.planning import resolve_entries
 from msa.problem import MINIMAX_M3_TP
-from msa.registry import get_registry
+from msa.planner import DecodePlanner
 from msa.validation import check_decode_inputs
 from msa.workload import DecodeStep, indexer_topk, make_decode_step
 
@@ -80,13 +80,17 @@ def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator)
 
 
 def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
-    backend = get_registry().get(name)
-    problem, inputs = check_decode_inputs(**kw)
-    plan = backend.plan(problem, inputs)
-    out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
+    """Time `DecodePlanner.run` of a planned step (what a serving engine captures)."""
+    q = kw["q"]
+    problem, _ = check_decode_inputs(**kw)
+    planner = DecodePlanner(problem.geometry, kv_cache_dtype=problem.kv_layout, backend=name, device=q.device, q_dtype=q.dtype)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
+    out = torch.empty(q.shape, dtype=problem.out_dtype, device=q.device)
+    args = (plan, q, kw["kv_cache"], kw["topk_indices"])
+    scales = {"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]}
 
     def call() -> None:
-        backend.run(plan, inputs, out, None)
+        planner.run(*args, out=out, **scales)
 
     times = {"eager": timer.eager(call)}
     if graph:

@@ -17,7 +17,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts.base import CacheShape, KVLayout, SlotWrite
-from msa.scales import Scale, check_scale, scale_tensor
+from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = [
     "NVFP4",
@@ -62,9 +62,14 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, low 4 bits) -> float32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[(codes & 0xF).long()]
+    """E2M1 codes (uint8, low 4 bits) -> float32 values.
+
+    The magnitude bits shifted into an E4M3 byte (`m << 2`, the sign to bit 7) encode exactly
+    the E2M1 value times 2^-6, so the float8 conversion decodes them (no lookup table, no
+    host-to-device copy)."""
+    c = codes.to(torch.uint8)
+    e4m3 = ((c & 0x7) << 2) | ((c & 0x8) << 4)
+    return e4m3.view(torch.float8_e4m3fn).float() * 64.0
 
 
 def quantize_blocks(
@@ -232,7 +237,7 @@ class NVFP4HeadSlotLayout(KVLayout):
             block_f = block.contiguous().view(torch.float8_e4m3fn).float()
             values = values * block_f.repeat_interleave(BLOCK, dim=-1)
             checked = check_scale(name, scale, cache.device)
-            out.append(values * scale_tensor(checked, cache.device))
+            out.append(apply_scale(values, checked))
         return out[0], out[1]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts.base import CacheShape, KVLayout, SlotWrite
-from msa.scales import Scale, check_scale, scale_tensor
+from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = ["SplitLayout", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
 
@@ -100,8 +100,8 @@ class SplitLayout(KVLayout):
         k = check_scale("k_scale", k_scale, cache.device)
         v = check_scale("v_scale", v_scale, cache.device)
         return (
-            rows[..., :d].float() * scale_tensor(k, cache.device),
-            rows[..., d:].float() * scale_tensor(v, cache.device),
+            apply_scale(rows[..., :d].float(), k),
+            apply_scale(rows[..., d:].float(), v),
         )
 
 

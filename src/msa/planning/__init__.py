@@ -1,8 +1,10 @@
 """Planning: what a step needs besides the kernel — resolved index lists, per-row metadata
-refreshed in place, and a bounded cache of plans keyed by step shape (SPEC §5)."""
+refreshed in place, the step's tables, and a bounded cache of plans keyed by step shape
+(SPEC §5)."""
 
 from msa.planning.cache import PlanCache
 from msa.planning.indices import compact_topk, resolve_entries
 from msa.planning.refresh import RowMetadata
+from msa.planning.tables import StepTables
 
-__all__ = ["PlanCache", "RowMetadata", "compact_topk", "resolve_entries"]
+__all__ = ["PlanCache", "RowMetadata", "StepTables", "compact_topk", "resolve_entries"]

@@ -14,6 +14,7 @@ from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
 from msa.backends.triton.config import LaunchConfig, choose_config
 from msa.backends.triton.launch import Workspace, launch_decode
+from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
@@ -23,9 +24,13 @@ __all__ = ["TritonBackend", "TritonPlan"]
 
 @attrs.frozen(eq=False)
 class TritonPlan:
+    """The launch configuration, the split-K workspace (sized at plan time) and the planner's
+    per-row metadata the kernel reads."""
+
     problem: DecodeProblem
     config: LaunchConfig
     workspace: Workspace
+    rows: RowMetadata
 
 
 class TritonBackend(Backend):
@@ -62,11 +67,11 @@ class TritonBackend(Backend):
             problem.geometry, problem.num_rows, sm_count, kv_layout=problem.kv_layout, **self.config_overrides
         )
 
-    def plan(self, problem: DecodeProblem, inputs: DecodeInputs) -> TritonPlan:
-        device = inputs.q.device
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> TritonPlan:
+        device = tables.seq_lens.device
         config = self.config_for(problem, device)
-        return TritonPlan(problem, config, Workspace(problem, config, device))
+        return TritonPlan(problem, config, Workspace(problem, config, device), tables.rows)
 
     def run(self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         p: TritonPlan = plan
-        launch_decode(p.problem, inputs, out, lse, p.config, p.workspace)
+        launch_decode(p.problem, inputs, p.rows, out, lse, p.config, p.workspace)

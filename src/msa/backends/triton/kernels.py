@@ -22,11 +22,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _row_context(seq_lens_ptr, r, QUERY_LEN: tl.constexpr, PAGE: tl.constexpr, max_blocks):
-    """(request, visible tokens n, visible block limit) of row r."""
-    b = r // QUERY_LEN
-    seq = tl.load(seq_lens_ptr + b)
-    n = tl.maximum(seq - QUERY_LEN + (r % QUERY_LEN) + 1, 0)
+def _row_context(row_request_ptr, q_pos_ptr, r, PAGE: tl.constexpr, max_blocks):
+    """(request, visible tokens n, visible block limit) of row r, from the plan's row metadata."""
+    b = tl.load(row_request_ptr + r)
+    n = tl.maximum(tl.load(q_pos_ptr + r) + 1, 0)
     limit = tl.minimum((n + PAGE - 1) // PAGE, max_blocks)
     return b, n, limit
 
@@ -100,14 +99,14 @@ def _finish(acc, cols, m_i, l_i, r, qh, g_mask, split, v_scale,
 
 @triton.jit
 def split_decode_kernel(
-    q_ptr, cache_ptr, topk_ptr, table_ptr, seq_lens_ptr,
+    q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
     stride_th, stride_tr, stride_tk, stride_bt,
     stride_or, stride_oh, stride_lr, stride_lh,
-    QUERY_LEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
@@ -121,7 +120,7 @@ def split_decode_kernel(
     gc = pid % GROUP_CHUNKS
     h = (pid // GROUP_CHUNKS) % NUM_KV_HEADS
     r = pid // (GROUP_CHUNKS * NUM_KV_HEADS)
-    b, n, limit = _row_context(seq_lens_ptr, r, QUERY_LEN, PAGE, max_blocks)
+    b, n, limit = _row_context(row_request_ptr, q_pos_ptr, r, PAGE, max_blocks)
     g = gc * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < GROUP
     qh = h * GROUP + g
@@ -185,14 +184,14 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def nvfp4_decode_kernel(
-    q_ptr, cache_ptr, topk_ptr, table_ptr, seq_lens_ptr,
+    q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
     stride_th, stride_tr, stride_tk, stride_bt,
     stride_or, stride_oh, stride_lr, stride_lh,
-    QUERY_LEN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
@@ -208,7 +207,7 @@ def nvfp4_decode_kernel(
     gc = pid % GROUP_CHUNKS
     h = (pid // GROUP_CHUNKS) % NUM_KV_HEADS
     r = pid // (GROUP_CHUNKS * NUM_KV_HEADS)
-    b, n, limit = _row_context(seq_lens_ptr, r, QUERY_LEN, PAGE, max_blocks)
+    b, n, limit = _row_context(row_request_ptr, q_pos_ptr, r, PAGE, max_blocks)
     g = gc * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < GROUP
     qh = h * GROUP + g

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from msa.backends.triton.config import LaunchConfig
 from msa.backends.triton.kernels import LOG2E, merge_kernel, nvfp4_decode_kernel, split_decode_kernel
+from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
@@ -55,12 +56,14 @@ def _scale_args(value: float | torch.Tensor) -> tuple[float, torch.Tensor | None
 def launch_decode(
     problem: DecodeProblem,
     inputs: DecodeInputs,
+    rows: RowMetadata,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     config: LaunchConfig,
     workspace: Workspace,
 ) -> None:
-    """Run the decode kernel (and the merge when split) into `out` / `lse`."""
+    """Run the decode kernel (and the merge when split) into `out` / `lse`. Allocates nothing
+    and never synchronises: every buffer is the caller's or the plan's."""
     g = problem.geometry
     if problem.num_rows == 0:
         return
@@ -78,15 +81,15 @@ def launch_decode(
     kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
     grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
     kernel[grid](
-        q, cache, topk, table, inputs.seq_lens,
+        q, cache, topk, table, rows.row_request, rows.q_pos,
         out, lse_arg, workspace.partial_out, workspace.partial_ml,
         qs_t if qs_t is not None else out, ks_t if ks_t is not None else out,
         vs_t if vs_t is not None else out, qk_scale, vs,
-        problem.num_pages, problem.max_blocks,
+        cache.shape[0], table.shape[1],
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
         topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
-        QUERY_LEN=problem.query_len, NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size,
+        NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size,
         HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
         BLOCK_G=config.block_g, BLOCK_N=config.block_n, GROUP_CHUNKS=config.group_chunks,
         NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,

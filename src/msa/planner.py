@@ -1,0 +1,283 @@
+"""CUDA-graph-stable decode plans (SPEC §5).
+
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", device="cuda")
+    # every step, outside graph capture:
+    plan = planner.plan(block_table, seq_lens, decode_query_len=L)
+    # capturable (allocates nothing, never synchronises, never copies to the host):
+    planner.run(plan, q, kv_cache, topk_indices, out=out, k_scale=k_scale, v_scale=v_scale)
+
+A plan is cached per step shape (`PlanKey`: batch, query length, block-table row stride,
+geometry, layout, backend, ...). Planning the same shape again returns the same `DecodePlan`
+object, whose buffers keep their addresses; only their contents are refreshed, on the device,
+from `seq_lens`. So a graph captured once per batch size replays correctly while `seq_lens`,
+`block_table`, `topk_indices`, `q` and the cache change in place. Requests padded with
+`seq_lens = 0` (a graph captured for a larger batch) produce zeros and an LSE of -inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from msa.backends.base import Backend
+from msa.errors import MSAInputError
+from msa.layouts import get_layout
+from msa.planning import PlanCache, RowMetadata, StepTables
+from msa.platform import Platform, detect
+from msa.policy import SelectionPolicy, default_policy
+from msa.problem import DecodeProblem, Geometry
+from msa.scales import Scale
+from msa.validation import Q_DTYPES, check_decode_data, check_decode_inputs, output_dtype, validation_requested
+
+__all__ = ["PlanKey", "DecodePlan", "DecodePlanner"]
+
+
+@attrs.frozen
+class PlanKey:
+    """What makes two steps share a plan (a frozen, hashable value)."""
+
+    batch_size: int
+    query_len: int
+    table_stride: int
+    geometry: Geometry
+    kv_layout: str
+    backend: str
+    device: str
+    q_dtype: torch.dtype
+    with_lse: bool
+
+
+@attrs.define(eq=False)
+class DecodePlan:
+    """A planned step shape: the chosen backend, its workspaces, the step's tables and per-row
+    metadata. Obtain it from `DecodePlanner.plan`; pass it to `DecodePlanner.run`.
+
+    Attributes:
+        key: the shape it serves.
+        backend: the backend that runs it.
+        problem: the step as the policy saw it.
+        tables: block table, lengths and row metadata (refreshed by every `plan` call).
+        backend_plan: the backend's own plan (workspaces, library plans).
+    """
+
+    key: PlanKey
+    backend: Backend
+    problem: DecodeProblem
+    tables: StepTables
+    backend_plan: Any
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The device buffers whose addresses a captured graph depends on."""
+        return self.tables.rows.buffers()
+
+
+def _check_tables(block_table: object, seq_lens: object, device: torch.device, decode_query_len: object) -> tuple[torch.Tensor, torch.Tensor]:
+    for name, value, dim, doc in (("block_table", block_table, 2, "[B, max_blocks]"), ("seq_lens", seq_lens, 1, "[B]")):
+        if not isinstance(value, torch.Tensor):
+            raise MSAInputError(name, "a torch.Tensor", type(value).__name__)
+        if value.dtype != torch.int32 or value.dim() != dim:
+            raise MSAInputError(name, f"an int32 tensor {doc}", f"{value.dtype} of shape {tuple(value.shape)}")
+        if value.device != device:
+            raise MSAInputError(name, f"a tensor on {device} (the planner's device)", value.device)
+    assert isinstance(block_table, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+    if block_table.shape[0] != seq_lens.shape[0] or block_table.shape[1] < 1:
+        raise MSAInputError("block_table", f"shape [{seq_lens.shape[0]}, max_blocks >= 1] (B from seq_lens)", tuple(block_table.shape))
+    if block_table.stride(-1) != 1:
+        raise MSAInputError("block_table", "unit stride in the last dimension", block_table.stride())
+    if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:
+        raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
+    return block_table, seq_lens
+
+
+class DecodePlanner:
+    """Plans and runs decode steps of one geometry and cache layout on one device.
+
+    Args:
+        geometry: heads, head dim, page size, top-k of this rank.
+        kv_cache_dtype: the cache layout ("auto", "bfloat16", "float16", "fp8", "nvfp4", ...).
+        backend: "auto" or a backend name (chosen per step shape by the selection policy).
+        device: the device of the caches and tables.
+        q_dtype: the dtype of `q` (some backends take fp8 queries only).
+        with_lse: runs will ask for the log-sum-exp (some backends cannot return it).
+        max_plans: plans kept (least recently used dropped; a plan the caller still holds stays
+            valid, its buffers alive).
+        platform: the machine to select for (default: `detect(device)`); tests pass pretend ones.
+        policy: the selection policy (default: the process-wide one).
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        kv_cache_dtype: str = "auto",
+        backend: str = "auto",
+        device: torch.device | str = "cuda",
+        q_dtype: torch.dtype = torch.bfloat16,
+        with_lse: bool = False,
+        max_plans: int = 16,
+        platform: Platform | None = None,
+        policy: SelectionPolicy | None = None,
+    ) -> None:
+        if not isinstance(geometry, Geometry):
+            raise MSAInputError("geometry", "an msa.Geometry", type(geometry).__name__)
+        if q_dtype not in Q_DTYPES:
+            raise MSAInputError("q_dtype", "bfloat16, float16 or float8_e4m3fn", q_dtype)
+        self.geometry = geometry
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layout = get_layout(kv_cache_dtype)
+        self.backend_name = backend
+        self.device = torch.device(device)
+        self.q_dtype = q_dtype
+        self.with_lse = with_lse
+        self.platform = platform if platform is not None else detect(self.device)
+        self.policy = policy
+        self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
+        self.kv_layout = "bfloat16" if self.layout.name == "auto" else self.layout.name
+        self._chosen: dict[tuple[int, int, int], str] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodePlanner({self.geometry.describe()}, {self.layout.name}, backend={self.backend_name!r}, "
+            f"device={self.device}, {self.plans.stats()})"
+        )
+
+    def _problem(self, batch: int, length: int, table: torch.Tensor) -> DecodeProblem:
+        return DecodeProblem(
+            geometry=self.geometry,
+            batch_size=batch,
+            query_len=length,
+            kv_layout=self.kv_layout,
+            q_dtype=self.q_dtype,
+            out_dtype=output_dtype(self.q_dtype),
+            device_type=self.device.type,
+            num_pages=0,  # not known before the cache is seen; kernels take it from the cache
+            max_blocks=table.shape[1],
+            return_lse=self.with_lse,
+            block_table_stride=table.stride(0),
+        )
+
+    def plan(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        decode_query_len: int,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> DecodePlan:
+        """The plan for this step's shape, its device metadata refreshed from `seq_lens`.
+
+        Call outside graph capture, every step. The first call for a shape selects the backend
+        and allocates the plan's buffers; later calls return the same object and only launch the
+        refresh (one small kernel on CUDA).
+
+        Args:
+            block_table: int32 `[B, max_blocks]`, unit last stride.
+            seq_lens: int32 `[B]`, lengths including the `L` new tokens (0 for padded requests).
+            decode_query_len: `L`.
+            seq_lens_cpu: the same lengths on the host, if the caller has them (saves a copy
+                when a kernel library plans on the host).
+        """
+        table, lens = _check_tables(block_table, seq_lens, self.device, decode_query_len)
+        batch, stride = lens.shape[0], table.stride(0)
+        policy = self.policy if self.policy is not None else default_policy()
+        shape = (batch, decode_query_len, stride)
+        name = self._chosen.get(shape)
+        if name is None:  # the policy's choice depends on the shape only: ask once per shape
+            chosen, _ = policy.select(self._problem(batch, decode_query_len, table), self.platform, self.backend_name)
+            if len(self._chosen) > 4 * self.plans.max_plans:
+                self._chosen.clear()
+            name = self._chosen[shape] = chosen.name
+        key = PlanKey(
+            batch_size=batch,
+            query_len=decode_query_len,
+            table_stride=stride,
+            geometry=self.geometry,
+            kv_layout=self.kv_layout,
+            backend=name,
+            device=str(self.device),
+            q_dtype=self.q_dtype,
+            with_lse=self.with_lse,
+        )
+
+        def create() -> DecodePlan:
+            problem = self._problem(batch, decode_query_len, table)
+            backend = policy.registry.get(name)
+            rows = RowMetadata(batch, decode_query_len, self.device)
+            tables = StepTables(table, lens, seq_lens_cpu, rows)
+            rows.refresh(lens)
+            return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables))
+
+        cached = key in self.plans
+        plan = self.plans.get_or_create(key, create)
+        if cached:
+            tables = plan.tables
+            tables.block_table, tables.seq_lens, tables.seq_lens_cpu = table, lens, seq_lens_cpu
+            tables.rows.refresh(lens)
+            plan.backend.refresh(plan.backend_plan, tables)
+        return plan
+
+    def run(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        sm_scale: Scale | None = None,
+        q_scale: Scale = 1.0,
+        k_scale: Scale = 1.0,
+        v_scale: Scale = 1.0,
+        validate: bool = False,
+    ) -> None:
+        """Run a planned step into `out` (and `lse`). Capturable: allocates nothing, never
+        synchronises with the host, never copies device data to the host (`validate=True`
+        does, to read the indices).
+
+        Args:
+            q: `[B*L, Hq, D]` of the planner's `q_dtype`.
+            kv_cache: the cache, in the planner's layout.
+            topk_indices: int32 `[Hkv, B*L, K]`, any strides.
+            out: `[B*L, Hq, D]` (q's dtype; bf16 for fp8 q), unit last stride.
+            lse: optional fp32 `[B*L, Hq]` (the planner must have `with_lse=True` for backends
+                that cannot return it).
+            sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
+        """
+        if not isinstance(plan, DecodePlan):
+            raise MSAInputError("plan", "a DecodePlan from DecodePlanner.plan", type(plan).__name__)
+        tables = plan.tables
+        problem, inputs = check_decode_inputs(
+            q,
+            kv_cache,
+            topk_indices,
+            tables.block_table,
+            tables.seq_lens,
+            decode_query_len=plan.key.query_len,
+            kv_cache_dtype=self.kv_cache_dtype,
+            sm_scale=sm_scale,
+            q_scale=q_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            out=out,
+            lse=lse,
+        )
+        if problem.geometry != self.geometry:
+            raise MSAInputError(
+                "q / kv_cache / topk_indices",
+                f"the planner's geometry ({self.geometry.describe()})",
+                problem.geometry.describe(),
+            )
+        if problem.q_dtype != self.q_dtype:
+            raise MSAInputError("q", f"dtype {self.q_dtype} (the planner's q_dtype)", problem.q_dtype)
+        if lse is not None and not plan.backend.capabilities.lse:
+            raise MSAInputError(
+                "lse", f"None: backend {plan.backend.name!r} does not return the LSE", "a tensor",
+                "Create the planner with with_lse=True to choose a backend that does.",
+            )
+        if validation_requested(validate):
+            check_decode_data(problem, inputs)
+        assert inputs.out is not None
+        plan.backend.run(plan.backend_plan, inputs, inputs.out, inputs.lse)

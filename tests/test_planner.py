@@ -1,0 +1,221 @@
+"""DecodePlanner: plan identity, in-place refresh, the bounded cache, and graph capture (GPU)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa.errors import MSAInputError
+from msa.planning import PlanCache, RowMetadata
+from msa.workload import indexer_topk, make_decode_step
+
+GEOMETRY = msa.Geometry(8, 2, 64, 16, 4)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def _step(layout: str = "bfloat16", batch: int = 3, length: int = 2, device: str = "cpu", geometry: msa.Geometry = GEOMETRY, context: int = 100) -> Any:
+    return make_decode_step(geometry, batch_size=batch, decode_query_len=length, context_len=context,
+                            kv_cache_dtype=layout, device=device, seed=5)
+
+
+def _planner(**kw: Any) -> msa.DecodePlanner:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("backend", "reference")
+    return msa.DecodePlanner(GEOMETRY, **kw)
+
+
+def test_same_key_same_plan_and_buffers() -> None:
+    step = _step()
+    planner = _planner()
+    plan = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    addresses = {k: v.data_ptr() for k, v in plan.buffers().items()}
+    step.seq_lens.copy_(torch.tensor([7, 50, 99], dtype=torch.int32))
+    again = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    assert again is plan
+    assert {k: v.data_ptr() for k, v in again.buffers().items()} == addresses
+    assert planner.plans.hits == 1 and planner.plans.misses == 1 and len(planner.plans) == 1
+    assert plan.key.batch_size == 3 and plan.key.backend == "reference"
+
+
+def test_different_shapes_different_plans() -> None:
+    step = _step()
+    planner = _planner()
+    base = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    other_len = planner.plan(step.block_table, step.seq_lens, decode_query_len=1)
+    wide = torch.full((3, 16), -1, dtype=torch.int32)
+    wide[:, : step.block_table.shape[1]] = step.block_table
+    other_stride = planner.plan(wide[:, : step.block_table.shape[1]], step.seq_lens, decode_query_len=2)
+    fewer = planner.plan(step.block_table[:2], step.seq_lens[:2], decode_query_len=2)
+    plans = [base, other_len, other_stride, fewer]
+    assert len({id(p) for p in plans}) == 4 and len({p.key for p in plans}) == 4
+    fp8 = _planner(kv_cache_dtype="fp8").plan(step.block_table, step.seq_lens, decode_query_len=2)
+    assert fp8.key != base.key and fp8.key.kv_layout == "fp8_e4m3"
+
+
+def test_lru_eviction_keeps_held_plans_valid() -> None:
+    step = _step()
+    planner = _planner(max_plans=2)
+    a = planner.plan(step.block_table, step.seq_lens, decode_query_len=1)
+    b = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    planner.plan(step.block_table, step.seq_lens, decode_query_len=1)  # a is now the most recent
+    c = planner.plan(step.block_table, step.seq_lens, decode_query_len=3)
+    assert [k.query_len for k in planner.plans.keys()] == [1, 3], "b, least recently used, went"
+    assert planner.plans.evictions == 1 and "2/2 plans" in planner.plans.stats()
+    # the evicted plan still runs: its buffers live as long as the caller holds it
+    kw = _step(length=2).kwargs()
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    planner.run(b, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)
+    torch.testing.assert_close(out, msa.sparse_decode(**kw, backend="reference"))
+    assert a is not c
+
+
+def test_plan_cache_basics() -> None:
+    cache: PlanCache[int, object] = PlanCache(max_plans=3)
+    made = [cache.get_or_create(i, object) for i in range(4)]
+    assert cache.keys() == [1, 2, 3] and cache.get_or_create(3, object) is made[3]
+    with pytest.raises(ValueError):
+        PlanCache(0)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_refresh_matches_torch(kernel: bool, gen: torch.Generator) -> None:
+    if kernel and not INTERPRET:
+        pytest.skip("the Triton refresh kernel runs on the CPU only under TRITON_INTERPRET=1")
+    for batch, length in ((1, 1), (5, 3), (300, 2)):
+        rows = RowMetadata(batch, length, "cpu")
+        for _ in range(3):
+            seq_lens = torch.randint(0, 5000, (batch,), generator=gen, dtype=torch.int32)
+            before = {k: v.data_ptr() for k, v in rows.buffers().items()}
+            rows.refresh(seq_lens, kernel=kernel)
+            r = torch.arange(batch * length)
+            assert torch.equal(rows.kv_lens, seq_lens[r // length])
+            assert torch.equal(rows.q_pos, seq_lens[r // length] - length + r % length)
+            assert torch.equal(rows.row_request, (r // length).int())
+            assert {k: v.data_ptr() for k, v in rows.buffers().items()} == before
+
+
+def test_sparse_decode_is_the_planner_path(gen: torch.Generator) -> None:
+    kw = _step(layout="nvfp4").kwargs()
+    planner = _planner(kv_cache_dtype="nvfp4", with_lse=True)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16)
+    lse = torch.full(kw["q"].shape[:2], float("nan"))
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_run_checks_against_the_plan() -> None:
+    kw = _step().kwargs()
+    planner = _planner()
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    with pytest.raises(MSAInputError, match=r"^q: expected B\*L = 3\*2 = 6 rows"):
+        planner.run(plan, kw["q"][:4], kw["kv_cache"], kw["topk_indices"], out=out)
+    with pytest.raises(MSAInputError, match=r"^q: expected dtype torch.bfloat16 \(the planner's q_dtype\)"):
+        planner.run(plan, kw["q"].half(), kw["kv_cache"], kw["topk_indices"], out=out.half())
+    other = make_decode_step(msa.Geometry(16, 2, 64, 16, 4), batch_size=3, decode_query_len=2, context_len=100, seed=1)
+    with pytest.raises(MSAInputError, match=r"^q / kv_cache / topk_indices: expected the planner's geometry"):
+        planner.run(plan, other.q, other.kv_cache, other.topk_indices, out=torch.empty(other.q.shape, dtype=torch.bfloat16))
+    with pytest.raises(MSAInputError, match=r"^plan: expected a DecodePlan"):
+        planner.run("plan", kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)  # type: ignore[arg-type]
+    with pytest.raises(MSAInputError, match=r"^seq_lens: expected an int32 tensor \[B\]"):
+        planner.plan(kw["block_table"], kw["seq_lens"].long(), decode_query_len=2)
+    with pytest.raises(MSAInputError, match=r"^decode_query_len: expected an int >= 1, got 0"):
+        planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=0)
+
+
+def test_padded_rows_are_zero_and_neg_inf() -> None:
+    backend = "triton" if INTERPRET else "reference"
+    kw = _step(batch=4).kwargs()
+    kw["seq_lens"][2:] = 0  # a graph captured for 4 requests, running 2
+    planner = _planner(backend=backend, with_lse=True)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16)
+    lse = torch.full(kw["q"].shape[:2], float("nan"))
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    assert (out[4:] == 0).all() and torch.isneginf(lse[4:]).all()
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out[:4], msa.sparse_decode(**kw, backend="reference")[:4], rtol=2**-7, atol=2e-4)
+
+
+# ---- GPU: capture once per batch size, replay 50 changing steps -----------------------------
+
+def _new_step_in_place(step: Any, kw: dict[str, Any], gen: torch.Generator, capacity_blocks: int) -> None:
+    """Change lengths (some padded to 0), tables, indices, q and cache contents, in place."""
+    g, batch = step.geometry, kw["seq_lens"].shape[0]
+    p, length = g.page_size, kw["decode_query_len"]
+    lens = torch.randint(length, capacity_blocks * p, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    pad = torch.rand(batch, device="cuda", generator=gen) < 0.25
+    kw["seq_lens"].copy_(torch.where(pad, 0, lens))
+    pages = step.kv_cache.shape[0]
+    kw["block_table"].copy_(torch.randperm(pages, device="cuda", generator=gen)[: kw["block_table"].numel()].view_as(kw["block_table"]).int())
+    kw["topk_indices"].copy_(indexer_topk(kw["seq_lens"], decode_query_len=length, num_kv_heads=g.num_kv_heads, topk=g.topk,
+                                          page_size=p, max_blocks=kw["block_table"].shape[1], generator=gen))
+    kw["q"].copy_(torch.randn(kw["q"].shape, device="cuda", generator=gen).to(kw["q"].dtype))
+    n = 512
+    slots = torch.randint(0, pages * p, (n,), device="cuda", generator=gen)
+    fresh = torch.randn((n, g.num_kv_heads, g.head_dim), device="cuda", generator=gen).bfloat16()
+    step.layout.write(step.kv_cache, fresh, fresh.flip(0), slots, k_scale=step.k_scale, v_scale=step.v_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_graph_capture_and_replay(layout: str, backend: str, gen: torch.Generator) -> None:
+    cuda_gen = torch.Generator(device="cuda")
+    cuda_gen.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    blocks = 12
+    for batch in (1, 16, 64):
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=2, context_len=blocks * 128,
+                                kv_cache_dtype=layout, device="cuda", seed=batch)
+        kw = step.kwargs()
+        kw["topk_indices"] = kw["topk_indices"].clone()  # a buffer of our own, changed in place
+        planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype=layout, backend=backend, device="cuda", with_lse=True)
+        plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+        out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(kw["q"].shape[:2], device="cuda")
+        args = (plan, kw["q"], kw["kv_cache"], kw["topk_indices"])
+        scales = dict(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            planner.run(*args, out=out, lse=lse, **scales)  # warm-up (compiles) without any sync
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                planner.run(*args, out=out, lse=lse, **scales)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for _ in range(50):
+            _new_step_in_place(step, kw, cuda_gen, blocks)
+            again = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+            assert again is plan
+            out.fill_(float("nan"))
+            graph.replay()
+            ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+            torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-6, atol=3e-3)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-3)
+            padded = (kw["seq_lens"] == 0).repeat_interleave(2)
+            assert (out[padded] == 0).all() and torch.isneginf(lse[padded]).all()
+
+
+@pytest.mark.gpu
+def test_run_allocates_nothing() -> None:
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=4096, kv_cache_dtype="fp8_e4m3", device="cuda", seed=0)
+    kw = step.kwargs()
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", backend="triton", device="cuda")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(5):
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
