@@ -129,6 +129,8 @@ class DecodePlanner:
         self.layout = get_layout(kv_cache_dtype)
         self.backend_name = backend
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.q_dtype = q_dtype
         self.with_lse = with_lse
         self.platform = platform if platform is not None else detect(self.device)
