@@ -11,7 +11,7 @@ SRC = Path(__file__).parents[1] / "src" / "msa"
 LAYERS = {
     "errors": 0,
     "problem": 1, "scales": 1, "platform": 1,
-    "layouts": 2,
+    "layouts": 2, "semantics": 2,
     "validation": 3,
     "planning": 4,
     "backends": 5,

@@ -55,6 +55,7 @@ def sparse_decode(
     return_lse: bool = False,
     backend: str = "auto",
     validate: bool = False,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention decode over a paged KV cache with per-query-token page selection.
 
@@ -85,6 +86,9 @@ def sparse_decode(
         backend: "auto" (the first backend that qualifies) or a backend name.
         validate: also run the checks that read device data (index ranges, duplicates, pages).
             `MSA_VALIDATE=1` turns them on globally.
+        query_start_loc: int32 `[B+1]` for ragged steps: request `b` owns rows
+            `[qsl[b], qsl[b+1])` of `q` (its own query length); `decode_query_len` is then the
+            largest length. Rows past `qsl[B]` are padding (zeros, LSE -inf).
 
     Returns:
         `out`, or `(out, lse)` when `return_lse` (or `lse=`) is given.
@@ -104,11 +108,18 @@ def sparse_decode(
         out=out,
         lse=lse,
         return_lse=return_lse,
+        query_start_loc=query_start_loc,
     )
     if validation_requested(validate):
         check_decode_data(problem, inputs)
     planner = _one_shot_planner(problem, inputs.layout.name, backend, q.device)
-    plan = planner.plan(inputs.block_table, inputs.seq_lens, decode_query_len=decode_query_len)
+    plan = planner.plan(
+        inputs.block_table,
+        inputs.seq_lens,
+        decode_query_len=decode_query_len,
+        query_start_loc=inputs.query_start_loc,
+        num_rows=problem.num_rows if problem.ragged else None,
+    )
     g = problem.geometry
     out_t = inputs.out
     if out_t is None:

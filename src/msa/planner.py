@@ -47,6 +47,8 @@ class PlanKey:
     device: str
     q_dtype: torch.dtype
     with_lse: bool
+    ragged: bool = False
+    num_rows: int = 0
 
 
 @attrs.define(eq=False)
@@ -89,6 +91,25 @@ def _check_tables(block_table: object, seq_lens: object, device: torch.device, d
     if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:
         raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
     return block_table, seq_lens
+
+
+def _check_ragged(query_start_loc: object, num_rows: object, batch: int, device: torch.device) -> int | None:
+    """The rows of a ragged step, or None for a uniform one."""
+    if query_start_loc is None:
+        if num_rows is not None:
+            raise MSAInputError("num_rows", "None for a uniform step (it is B * decode_query_len)", num_rows)
+        return None
+    if not isinstance(query_start_loc, torch.Tensor):
+        raise MSAInputError("query_start_loc", "a torch.Tensor", type(query_start_loc).__name__)
+    if query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (batch + 1,):
+        raise MSAInputError(
+            "query_start_loc", f"an int32 tensor [{batch + 1}] (B+1)", f"{query_start_loc.dtype} of shape {tuple(query_start_loc.shape)}"
+        )
+    if query_start_loc.device != device:
+        raise MSAInputError("query_start_loc", f"a tensor on {device} (the planner's device)", query_start_loc.device)
+    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 0:
+        raise MSAInputError("num_rows", "the rows of q (an int >= 0) for a ragged step", repr(num_rows))
+    return num_rows
 
 
 class DecodePlanner:
@@ -137,7 +158,7 @@ class DecodePlanner:
         self.policy = policy
         self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
         self.kv_layout = "bfloat16" if self.layout.name == "auto" else self.layout.name
-        self._chosen: dict[tuple[int, int, int], str] = {}
+        self._chosen: dict[tuple[int, int, int, int | None], str] = {}
 
     def __repr__(self) -> str:
         return (
@@ -145,7 +166,7 @@ class DecodePlanner:
             f"device={self.device}, {self.plans.stats()})"
         )
 
-    def _problem(self, batch: int, length: int, table: torch.Tensor) -> DecodeProblem:
+    def _problem(self, batch: int, length: int, table: torch.Tensor, rows: int | None = None) -> DecodeProblem:
         return DecodeProblem(
             geometry=self.geometry,
             batch_size=batch,
@@ -158,6 +179,8 @@ class DecodePlanner:
             max_blocks=table.shape[1],
             return_lse=self.with_lse,
             block_table_stride=table.stride(0),
+            ragged=rows is not None,
+            total_rows=rows,
         )
 
     def plan(
@@ -167,6 +190,8 @@ class DecodePlanner:
         *,
         decode_query_len: int,
         seq_lens_cpu: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        num_rows: int | None = None,
     ) -> DecodePlan:
         """The plan for this step's shape, its device metadata refreshed from `seq_lens`.
 
@@ -180,14 +205,21 @@ class DecodePlanner:
             decode_query_len: `L`.
             seq_lens_cpu: the same lengths on the host, if the caller has them (saves a copy
                 when a kernel library plans on the host).
+            query_start_loc: int32 `[B+1]` for ragged steps (speculative lengths that differ per
+                request): request `b` owns rows `[qsl[b], qsl[b+1])`; `decode_query_len` is then
+                the largest length, and `num_rows` the rows of `q` (a fixed token budget; rows
+                past `qsl[B]` are padding and come out as zeros).
+            num_rows: the rows of `q` for a ragged step.
         """
         table, lens = _check_tables(block_table, seq_lens, self.device, decode_query_len)
         batch, stride = lens.shape[0], table.stride(0)
+        ragged_rows = _check_ragged(query_start_loc, num_rows, batch, self.device)
         policy = self.policy if self.policy is not None else default_policy()
-        shape = (batch, decode_query_len, stride)
+        shape = (batch, decode_query_len, stride, ragged_rows)
         name = self._chosen.get(shape)
         if name is None:  # the policy's choice depends on the shape only: ask once per shape
-            chosen, _ = policy.select(self._problem(batch, decode_query_len, table), self.platform, self.backend_name)
+            problem = self._problem(batch, decode_query_len, table, ragged_rows)
+            chosen, _ = policy.select(problem, self.platform, self.backend_name)
             if len(self._chosen) > 4 * self.plans.max_plans:
                 self._chosen.clear()
             name = self._chosen[shape] = chosen.name
@@ -201,14 +233,16 @@ class DecodePlanner:
             device=str(self.device),
             q_dtype=self.q_dtype,
             with_lse=self.with_lse,
+            ragged=ragged_rows is not None,
+            num_rows=ragged_rows if ragged_rows is not None else batch * decode_query_len,
         )
 
         def create() -> DecodePlan:
-            problem = self._problem(batch, decode_query_len, table)
+            problem = self._problem(batch, decode_query_len, table, ragged_rows)
             backend = policy.registry.get(name)
-            rows = RowMetadata(batch, decode_query_len, self.device)
-            tables = StepTables(table, lens, seq_lens_cpu, rows)
-            rows.refresh(lens)
+            rows = RowMetadata(batch, decode_query_len, self.device, num_rows=ragged_rows, ragged=ragged_rows is not None)
+            tables = StepTables(table, lens, seq_lens_cpu, rows, query_start_loc)
+            rows.refresh(lens, query_start_loc)
             return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables))
 
         cached = key in self.plans
@@ -216,7 +250,8 @@ class DecodePlanner:
         if cached:
             tables = plan.tables
             tables.block_table, tables.seq_lens, tables.seq_lens_cpu = table, lens, seq_lens_cpu
-            tables.rows.refresh(lens)
+            tables.query_start_loc = query_start_loc
+            tables.rows.refresh(lens, query_start_loc)
             plan.backend.refresh(plan.backend_plan, tables)
         return plan
 
@@ -265,6 +300,7 @@ class DecodePlanner:
             v_scale=v_scale,
             out=out,
             lse=lse,
+            query_start_loc=tables.query_start_loc,
         )
         if problem.geometry != self.geometry:
             raise MSAInputError(

@@ -103,6 +103,8 @@ class DecodeProblem:
         max_blocks: columns of `block_table`.
         return_lse: whether the caller asked for the log-sum-exp.
         block_table_stride: elements between rows of `block_table` (None: `max_blocks`).
+        ragged: query lengths come from `query_start_loc`; `query_len` is then their maximum.
+        total_rows: query rows of a ragged step (None: `batch_size * query_len`).
     """
 
     geometry: Geometry
@@ -116,6 +118,8 @@ class DecodeProblem:
     max_blocks: int
     return_lse: bool = False
     block_table_stride: int | None = None
+    ragged: bool = False
+    total_rows: int | None = None
 
     @property
     def table_stride(self) -> int:
@@ -124,5 +128,5 @@ class DecodeProblem:
 
     @property
     def num_rows(self) -> int:
-        """Query rows `B * L`."""
-        return self.batch_size * self.query_len
+        """Query rows: `B * L`, or the rows of a ragged step."""
+        return self.batch_size * self.query_len if self.total_rows is None else self.total_rows

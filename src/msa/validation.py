@@ -15,6 +15,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts import KVLayout, layout_for_cache
+from msa.semantics import row_positions
 from msa.problem import DecodeProblem, Geometry
 from msa.scales import Scale, check_scale
 
@@ -45,6 +46,8 @@ class DecodeInputs:
         sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
         out: `[B*L, Hq, D]` output (None until the API allocates it).
         lse: `[B*L, Hq]` fp32 log-sum-exp output, or None.
+        query_start_loc: int32 `[B+1]` for ragged steps (request `b` owns rows
+            `[qsl[b], qsl[b+1])`), else None.
     """
 
     q: torch.Tensor
@@ -59,6 +62,7 @@ class DecodeInputs:
     v_scale: Scale
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
 
 
 def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -128,6 +132,7 @@ def check_decode_inputs(
     out: object = None,
     lse: object = None,
     return_lse: bool = False,
+    query_start_loc: object = None,
 ) -> tuple[DecodeProblem, DecodeInputs]:
     """Every check of SPEC §6 that needs no device data.
 
@@ -162,7 +167,13 @@ def check_decode_inputs(
     lens = _tensor("seq_lens", seq_lens, device)
     _int32("seq_lens", lens, "[B]", 1)
     batch = lens.shape[0]
-    if rows != batch * decode_query_len:
+    starts = None
+    if query_start_loc is not None:
+        starts = _tensor("query_start_loc", query_start_loc, device)
+        _int32("query_start_loc", starts, "[B+1]", 1)
+        if starts.shape[0] != batch + 1:
+            raise MSAInputError("query_start_loc", f"{batch + 1} entries (B+1, B from seq_lens)", starts.shape[0])
+    elif rows != batch * decode_query_len:
         raise MSAInputError(
             "q",
             f"B*L = {batch}*{decode_query_len} = {batch * decode_query_len} rows "
@@ -221,6 +232,8 @@ def check_decode_inputs(
         max_blocks=table.shape[1],
         return_lse=return_lse or lse_t is not None,
         block_table_stride=table.stride(0),
+        ragged=starts is not None,
+        total_rows=rows if starts is not None else None,
     )
     inputs = DecodeInputs(
         q=q_t,
@@ -231,6 +244,7 @@ def check_decode_inputs(
         layout=layout,
         out=out_t,
         lse=lse_t,
+        query_start_loc=starts,
         **scales,
     )
     return problem, inputs
@@ -257,6 +271,20 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
     """
     p, length = problem.geometry.page_size, problem.query_len
     lens = inputs.seq_lens.long()
+    if inputs.query_start_loc is not None:
+        starts = inputs.query_start_loc.tolist()
+        if starts[0] != 0:
+            raise MSAInputError("query_start_loc", "query_start_loc[0] = 0", starts[0])
+        for b in range(len(starts) - 1):
+            count = starts[b + 1] - starts[b]
+            if not 0 <= count <= length:
+                raise MSAInputError(
+                    "query_start_loc",
+                    f"non-decreasing offsets, at most decode_query_len = {length} rows per request",
+                    f"{count} rows for request {b} ({starts[b]} .. {starts[b + 1]})",
+                )
+        if starts[-1] > problem.num_rows:
+            raise MSAInputError("query_start_loc", f"a last offset <= the {problem.num_rows} rows of q", starts[-1])
     for b, n in enumerate(lens.tolist()):
         if n < 0:
             raise MSAInputError("seq_lens", "lengths >= 0", f"seq_lens[{b}] = {n}")
@@ -268,8 +296,14 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
                 f"seq_lens[{b}] = {n}",
             )
 
+    request, position = row_positions(
+        problem.num_rows, inputs.seq_lens, decode_query_len=length, query_start_loc=inputs.query_start_loc
+    )
+
     def where(head: int, row: int, entry: int) -> str:
-        return f"head {head}, row {row} (request {row // length}, token {row % length}), entry {entry}"
+        b = int(request[row])
+        first = b * length if inputs.query_start_loc is None else int(inputs.query_start_loc[b])
+        return f"head {head}, row {row} (request {b}, token {row - first}), entry {entry}"
 
     idx = inputs.topk_indices.long()
     bad = _first_row((idx < -1) | (idx >= problem.max_blocks))
@@ -290,9 +324,7 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
             "distinct block ids within one list",
             f"{int(ordered[h, r, t])} repeated at {where(h, r, entry)}",
         )
-    rows = torch.arange(problem.num_rows, device=idx.device)
-    request = rows // length
-    visible = (lens[request] - length + rows % length + 1).clamp(min=0)
+    visible = (position + 1).clamp(min=0)
     visible_blocks = (visible + p - 1) // p  # [R]
     selected = (idx >= 0) & (idx < visible_blocks.view(1, -1, 1))
     pages = inputs.block_table.long()[request.view(1, -1, 1), idx.clamp(min=0)]
@@ -302,6 +334,6 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
         raise MSAInputError(
             "block_table",
             f"a page in [0, {problem.num_pages}) for every selected visible block",
-            f"block_table[{r // length}, {int(idx[bad])}] = {int(pages[bad])}, selected at "
+            f"block_table[{int(request[r])}, {int(idx[bad])}] = {int(pages[bad])}, selected at "
             + where(h, r, t),
         )

@@ -75,10 +75,15 @@ def indexer_topk(
     page_size: int,
     max_blocks: int,
     generator: torch.Generator | None = None,
+    overlap: float | None = None,
 ) -> torch.Tensor:
     """Top-k lists as an indexer produces them: block 0 and the token's own last block always
     chosen, the rest distinct random visible blocks, in score order, `-1`-padded when fewer than
     `topk` blocks are visible.
+
+    `overlap` (speculative decoding): each token after the first of a request keeps each block
+    the previous token chose with this probability (0: independent draws; 1: the same choices,
+    up to causality). None draws every token independently.
 
     Returns:
         int32 `[Hkv, B*L, K]`: a head-major view (strides of the transpose) of a token-major
@@ -96,7 +101,20 @@ def indexer_topk(
     score = torch.where(col < blocks, score, -1.0)
     forced = ((col == 0) | (col == blocks - 1)) & (col < blocks)
     score = torch.where(forced, 2.0, score)
-    values, ids = score.topk(min(topk, max_blocks), dim=-1)
+    k = min(topk, max_blocks)
+    if overlap is not None and length > 1:
+        score = score.view(-1, length, num_kv_heads, max_blocks)
+        visible_col = (col < blocks).view(-1, length, 1, max_blocks)
+        for i in range(1, length):
+            prev = score[:, i - 1]
+            chosen = torch.zeros_like(prev, dtype=torch.bool).scatter_(-1, prev.topk(k, dim=-1).indices, True)
+            chosen &= prev >= 0
+            keep = chosen & visible_col[:, i] & (
+                torch.rand(prev.shape, generator=generator, device=device) < overlap
+            )
+            score[:, i] = torch.where(keep & (score[:, i] < 1.5), 1.5, score[:, i])
+        score = score.view(-1, num_kv_heads, max_blocks)
+    values, ids = score.topk(k, dim=-1)
     ids = torch.where(values >= 0, ids, -1).int()
     if topk > max_blocks:
         ids = torch.nn.functional.pad(ids, (0, topk - max_blocks), value=-1)
@@ -113,6 +131,7 @@ def make_decode_step(
     q_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     seed: int | None = None,
+    overlap: float | None = None,
 ) -> DecodeStep:
     """Build a decode step of `batch_size` requests whose contexts are up to `context_len` tokens.
 
@@ -156,6 +175,7 @@ def make_decode_step(
         page_size=p,
         max_blocks=max_blocks,
         generator=generator,
+        overlap=overlap,
     )
     return DecodeStep(
         geometry=g,

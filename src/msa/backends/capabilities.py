@@ -50,6 +50,7 @@ class Capabilities:
         min_batch: the batch floor `B >= min_batch` ...
         min_batch_exempt_layouts: ... except for these layouts.
         lse: can return the log-sum-exp.
+        ragged: takes per-request query lengths (`query_start_loc`).
     """
 
     device_types: frozenset[str] | None = None
@@ -70,6 +71,7 @@ class Capabilities:
     min_batch: int | None = None
     min_batch_exempt_layouts: frozenset[str] = frozenset()
     lse: bool = True
+    ragged: bool = False
 
 
 #: A rule: (capabilities, problem or None, platform, requested by name) -> reason or None.
@@ -193,6 +195,12 @@ def lse_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: 
     return None
 
 
+def ragged_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if p is not None and p.ragged and not c.ragged:
+        return "takes one query length for every request, not ragged ones (query_start_loc)"
+    return None
+
+
 #: Rules that depend on the machine alone (what `msa backends` shows).
 PLATFORM_RULES: tuple[Rule, ...] = (device_rule, capability_rule, package_rule)
 #: Rules that depend on the step.
@@ -207,6 +215,7 @@ PROBLEM_RULES: tuple[Rule, ...] = (
     row_budget_rule,
     batch_floor_rule,
     lse_rule,
+    ragged_rule,
 )
 #: Every rule, machine first.
 DEFAULT_RULES: tuple[Rule, ...] = PLATFORM_RULES + PROBLEM_RULES

@@ -35,6 +35,7 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         query_lens=(1, 2**31 - 1),
+        ragged=True,
     )
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> DecodeProblem:
@@ -58,6 +59,7 @@ class ReferenceBackend(Backend):
             decode_query_len=problem.query_len,
             page_size=p,
             num_pages=inputs.kv_cache.shape[0],
+            query_start_loc=inputs.query_start_loc,
         )
         score_scale = _product(inputs.sm_scale, inputs.q_scale, device)
         q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from msa.bench.baselines import flex_attend, torch_gather_attend
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
-from msa.planning import resolve_entries
+from msa.planning import StepTables, resolve_entries
 from msa.problem import MINIMAX_M3_TP
 from msa.planner import DecodePlanner
 from msa.validation import check_decode_inputs
@@ -31,7 +32,9 @@ BASELINES: dict[str, Callable[..., Callable[[], torch.Tensor]]] = {"torch": torc
 @attrs.frozen
 class BenchConfig:
     """What to sweep. `same_tokens`: for L > 1, use `B // L` requests so that every query
-    length runs the same number of query tokens as L = 1 at batch B."""
+    length runs the same number of query tokens as L = 1 at batch B. `overlaps`: how much
+    consecutive tokens of a request share their pages (None: independent draws). `strategies`
+    for the triton backend: "auto" (its policy), "dedup", "per-token"."""
 
     layouts: tuple[str, ...] = ("bfloat16", "fp8_e4m3", "nvfp4")
     batches: tuple[int, ...] = (1, 16, 64, 128, 256)
@@ -45,6 +48,8 @@ class BenchConfig:
     same_tokens: bool = False
     reps: int = 50
     seed: int = 0
+    overlaps: tuple[float | None, ...] = (None,)
+    strategies: tuple[str, ...] = ("auto",)
 
 
 def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
@@ -60,7 +65,34 @@ def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
     return int(int(tokens.sum()) * layout.bytes_per_token(g.head_dim) + q.numel() * q.element_size() + q.numel() * 2)
 
 
-def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator) -> dict[str, Any]:
+def unique_bytes(kw: dict[str, Any], step: DecodeStep) -> tuple[int, float]:
+    """(bytes of each (request, KV head, page) read once — the tokens visible to any of the
+    request's rows — plus q and out; the realized overlap: the fraction of a token's selected
+    blocks the previous token of its request also selected)."""
+    g, length = step.geometry, kw["decode_query_len"]
+    used, block, _, visible = resolve_entries(
+        kw["topk_indices"], kw["block_table"], kw["seq_lens"], decode_query_len=length,
+        page_size=g.page_size, num_pages=step.kv_cache.shape[0],
+    )
+    hkv, rows, k = used.shape
+    batch = rows // length
+    tokens = (visible.view(1, -1, 1) - block * g.page_size).clamp(0, g.page_size) * used
+    key = torch.where(used, block, -1).view(hkv, batch, length * k)
+    per_request = torch.zeros((hkv, batch, kw["block_table"].shape[1] + 1), dtype=torch.long, device=key.device)
+    per_request.scatter_reduce_(2, torch.where(key >= 0, key, per_request.shape[2] - 1),
+                                tokens.view(hkv, batch, length * k), reduce="amax")
+    unique = int(per_request[..., :-1].sum())
+    q = kw["q"]
+    n_bytes = unique * step.layout.bytes_per_token(g.head_dim) + q.numel() * (q.element_size() + 2)
+    if length == 1:
+        return n_bytes, 0.0
+    ids = torch.where(used, block, -1).view(hkv, batch, length, k)
+    shared = (ids[:, :, 1:, :, None] == ids[:, :, :-1, None, :]).any(-1) & (ids[:, :, 1:] >= 0)
+    total = (ids[:, :, 1:] >= 0).sum().clamp(min=1)
+    return n_bytes, float(shared.sum() / total)
+
+
+def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator, overlap: float | None = None) -> dict[str, Any]:
     """The first `batch` requests of `step`, with `length` query tokens each: fresh q and indices."""
     kw = step.kwargs()
     seq_lens = step.seq_lens[:batch]
@@ -73,10 +105,29 @@ def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator)
         q=torch.randn((batch * length, g.num_q_heads, g.head_dim), device=seq_lens.device, generator=generator).to(step.q.dtype),
         topk_indices=indexer_topk(
             seq_lens, decode_query_len=length, num_kv_heads=g.num_kv_heads, topk=g.topk,
-            page_size=g.page_size, max_blocks=table.shape[1], generator=generator,
+            page_size=g.page_size, max_blocks=table.shape[1], generator=generator, overlap=overlap,
         ),
     )
     return kw
+
+
+def _time_strategy(strategy: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
+    """Time the triton backend forced to one strategy ("dedup" or "per-token")."""
+    from msa.backends.triton import TritonBackend
+
+    backend = TritonBackend(dedup=strategy == "dedup")
+    problem, inputs = check_decode_inputs(**kw)
+    tables = StepTables.build(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
+    plan = backend.plan(problem, tables)
+    out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
+
+    def call() -> None:
+        backend.run(plan, inputs, out, None)
+
+    times = {"eager": timer.eager(call)}
+    if graph:
+        times["graph"] = timer.graph(call)
+    return times, out
 
 
 def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
@@ -115,18 +166,28 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
         )
         cache_gib = step.kv_cache.numel() * step.kv_cache.element_size() / 2**30
         print(f"[{n_case}/{len(cases)}] {layout} TP{tp}: cache {cache_gib:.1f} GiB", file=log, flush=True)
-        for batch in config.batches:
-            for length in config.query_lens:
+        for batch, length, overlap in itertools.product(config.batches, config.query_lens, config.overlaps):
                 requests = max(batch // length, 1) if config.same_tokens else batch
-                kw = _case(step, requests, length, generator)
+                kw = _case(step, requests, length, generator, overlap)
                 n_bytes = step_bytes(kw, step)
+                n_unique, realized = unique_bytes(kw, step)
                 ref_out = _reference(kw)
-                for name in config.backends:
-                    times, out = _time_backend(name, kw, timer, config.graph)
+                runs = [(name, "auto") for name in config.backends if name != "triton" or "auto" in config.strategies]
+                if "triton" in config.backends:
+                    runs += [("triton", s) for s in config.strategies if s != "auto"]
+                for name, strategy in runs:
+                    if strategy == "auto":
+                        times, out = _time_backend(name, kw, timer, config.graph)
+                    else:
+                        times, out = _time_strategy(strategy, kw, timer, config.graph)
                     err = (out.float() - ref_out.float()).abs().max().item()
                     for mode, micros in times.items():
-                        rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, name,
-                                         mode, micros, n_bytes, copy_gbps, err))
+                        row = _row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, name,
+                                   mode, micros, n_bytes, copy_gbps, err)
+                        row.update(strategy=strategy, overlap=overlap, realized_overlap=realized,
+                                   unique_bytes=n_unique, unique_gbps=n_unique / micros / 1e3,
+                                   unique_frac_copy=n_unique / micros / 1e3 / copy_gbps)
+                        rows.append(row)
                         _print(rows[-1], log)
                 for base in config.baselines:
                     if batch > config.baseline_max_batch:
@@ -175,18 +236,28 @@ def _row(layout: str, tp: int, hq: int, hkv: int, batch: int, length: int, backe
 
 
 def _print(row: dict[str, Any], log: Any) -> None:
+    extra = ""
+    if "unique_gbps" in row and row["query_len"] > 1:
+        extra = (f" [{row['strategy']}, overlap {row['realized_overlap']:.2f}, unique {row['unique_gbps']:.0f} GB/s "
+                 f"{row['unique_frac_copy']:.2f}]")
     print(f"  {row['layout']:9s} {row['heads']:5s} B={row['batch']:4d} L={row['query_len']:2d} {row['backend']:9s} "
-          f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} err {row['max_err']:.1e}",
+          f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} err {row['max_err']:.1e}{extra}",
           file=log, flush=True)
 
 
 def summary_table(result: dict[str, Any]) -> str:
     rows = [
-        [r["layout"], r["heads"], r["batch"], r["query_len"], r["backend"], r["mode"], round(r["us"], 1),
-         round(r["gbps"]), round(r["frac_copy"], 2), f"{r['max_err']:.1e}"]
+        [r["layout"], r["heads"], r["batch"], r["query_len"], r["backend"], r.get("strategy", "-"),
+         "-" if r.get("overlap") is None else r["overlap"], r["mode"], round(r["us"], 1),
+         round(r["gbps"]), round(r["frac_copy"], 2), round(r.get("unique_gbps", r["gbps"])),
+         round(r.get("unique_frac_copy", r["frac_copy"]), 2), f"{r['max_err']:.1e}"]
         for r in result["rows"]
     ]
-    return format_table(["layout", "heads", "B", "L", "backend", "mode", "us", "GB/s", "x copy", "max err"], rows)
+    return format_table(
+        ["layout", "heads", "B", "L", "backend", "strategy", "overlap", "mode", "us", "GB/s", "x copy",
+         "unique GB/s", "unique x copy", "max err"],
+        rows,
+    )
 
 
 def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:

@@ -15,6 +15,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
@@ -25,6 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--batches", type=_ints, default=(1, 16, 64, 128, 256))
     p.add_argument("--query-lens", type=_ints, default=(1,))
     p.add_argument("--same-tokens", action="store_true", help="L > 1 runs B // L requests")
+    p.add_argument("--overlap", type=_floats, default=(None,),
+                   help="page overlap between consecutive tokens of a request, e.g. 0,0.8 (default: independent)")
+    p.add_argument("--strategies", type=_names, default=("auto",),
+                   help="for the triton backend: auto, dedup, per-token (comma list)")
     p.add_argument("--tp", type=_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=int, default=65536, help="tokens per request (default 65536)")
     p.add_argument("--backends", type=_names, default=("triton",))
@@ -50,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         layouts=args.layouts, batches=args.batches, query_lens=args.query_lens, tps=args.tp,
         context=args.context, backends=args.backends, baselines=args.baselines,
         baseline_max_batch=args.baseline_max_batch, graph=not args.no_graph,
-        same_tokens=args.same_tokens, reps=args.reps,
+        same_tokens=args.same_tokens, reps=args.reps, overlaps=args.overlap, strategies=args.strategies,
     )
     result = run_sweep(config, args.out)
     print(summary_table(result))

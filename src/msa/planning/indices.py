@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_entries", "compact_topk"]
+from msa.semantics import row_positions
+
+__all__ = ["row_positions", "resolve_entries", "compact_topk"]
 
 _LAST = torch.iinfo(torch.int32).max
 
@@ -18,6 +20,7 @@ def resolve_entries(
     decode_query_len: int,
     page_size: int,
     num_pages: int,
+    query_start_loc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resolve index lists into what each row attends.
 
@@ -32,13 +35,13 @@ def resolve_entries(
           block table, its page inside `[0, num_pages)`);
         - `block` int64 `[Hkv, R, K]`: the block id (0 where unused);
         - `page` int64 `[Hkv, R, K]`: the physical page (0 where unused);
-        - `visible` int64 `[R]`: `n = max(seq_lens[b] - L + i + 1, 0)`.
+        - `visible` int64 `[R]`: `n = max(position + 1, 0)` (see `row_positions`).
     """
-    length = decode_query_len
     max_blocks = block_table.shape[1]
-    rows = torch.arange(topk_indices.shape[1], device=topk_indices.device)
-    request = rows // length
-    visible = (seq_lens.long()[request] - length + rows % length + 1).clamp(min=0)
+    request, position = row_positions(
+        topk_indices.shape[1], seq_lens, decode_query_len=decode_query_len, query_start_loc=query_start_loc
+    )
+    visible = (position + 1).clamp(min=0)
     limit = ((visible + page_size - 1) // page_size).clamp(max=max_blocks)
     idx = topk_indices.long()
     used = (idx >= 0) & (idx < limit.view(1, -1, 1))
@@ -57,6 +60,7 @@ def compact_topk(
     page_size: int,
     num_pages: int,
     out: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the used entries of each list in ascending order, `-1`-padded at the tail, into `out`.
 
@@ -73,6 +77,7 @@ def compact_topk(
         decode_query_len=decode_query_len,
         page_size=page_size,
         num_pages=num_pages,
+        query_start_loc=query_start_loc,
     )
     keyed = torch.where(used, block, _LAST)
     ordered = keyed.sort(dim=-1).values

@@ -2,12 +2,15 @@
 
 For row `r = b*L + i`: `row_request[r] = b`, `kv_lens[r] = seq_lens[b]` and
 `q_pos[r] = seq_lens[b] - L + i` (the row's causal position, the "qo_offset" of kernel
-libraries). A Triton kernel rewrites them on CUDA; torch ops elsewhere.
+libraries). A Triton kernel rewrites them on CUDA; torch ops elsewhere. Ragged steps
+(`query_start_loc`) are refreshed with torch ops: rows past the last request get position -1.
 """
 
 from __future__ import annotations
 
 import torch
+
+from msa.semantics import row_positions
 
 __all__ = ["RowMetadata"]
 
@@ -16,10 +19,11 @@ class RowMetadata:
     """int32 buffers for `B*L` rows whose addresses never change; `refresh` rewrites them.
 
     Attributes:
-        row_request: `[B*L]`, `r // L` (constant).
-        row_shift: `[B*L]`, `L - r % L` (constant).
-        kv_lens: `[B*L]` (or a caller-owned buffer), `seq_lens[r // L]`.
-        q_pos: `[B*L]` (or a caller-owned buffer), `seq_lens[r // L] - L + r % L`.
+        row_request: `[R]`, the row's request (`r // L` when uniform: constant).
+        row_shift: `[R]`, `L - r % L` (uniform steps).
+        req_start: `[B+1]`, the first row of each request (`b * L`, or `query_start_loc`).
+        kv_lens: `[R]` (or a caller-owned buffer), the request's length.
+        q_pos: `[R]` (or a caller-owned buffer), the row's causal position.
     """
 
     def __init__(
@@ -28,15 +32,19 @@ class RowMetadata:
         query_len: int,
         device: torch.device | str,
         *,
+        num_rows: int | None = None,
+        ragged: bool = False,
         kv_lens: torch.Tensor | None = None,
         q_pos: torch.Tensor | None = None,
     ) -> None:
-        rows = torch.arange(batch_size * query_len, device=device, dtype=torch.int32)
         self.batch_size = batch_size
         self.query_len = query_len
-        self.num_rows = batch_size * query_len
+        self.ragged = ragged
+        self.num_rows = batch_size * query_len if num_rows is None else num_rows
+        rows = torch.arange(self.num_rows, device=device, dtype=torch.int32)
         self.row_request = rows // query_len
         self.row_shift = query_len - rows % query_len
+        self.req_start = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * query_len
         self.kv_lens = kv_lens if kv_lens is not None else torch.zeros_like(rows)
         self.q_pos = q_pos if q_pos is not None else torch.zeros_like(rows)
         for name, buf in (("kv_lens", self.kv_lens), ("q_pos", self.q_pos)):
@@ -46,15 +54,39 @@ class RowMetadata:
                 )
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {"row_request": self.row_request, "row_shift": self.row_shift, "kv_lens": self.kv_lens, "q_pos": self.q_pos}
+        return {
+            "row_request": self.row_request,
+            "row_shift": self.row_shift,
+            "req_start": self.req_start,
+            "kv_lens": self.kv_lens,
+            "q_pos": self.q_pos,
+        }
 
-    def refresh(self, seq_lens: torch.Tensor, *, kernel: bool | None = None) -> None:
-        """Rewrite `kv_lens` and `q_pos` from `seq_lens` `[B]` int32, in place, on the device.
+    def refresh(
+        self,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
+        *,
+        kernel: bool | None = None,
+    ) -> None:
+        """Rewrite the metadata from `seq_lens` `[B]` (and, when ragged, `query_start_loc`
+        `[B+1]`) int32, in place, on the device.
 
         Args:
             kernel: the Triton kernel (True), torch ops (False), or decide (None: Triton on CUDA).
         """
         if self.num_rows == 0:
+            return
+        if self.ragged:
+            if query_start_loc is None:
+                raise ValueError("query_start_loc: a ragged plan needs it at every refresh")
+            request, position = row_positions(
+                self.num_rows, seq_lens, decode_query_len=self.query_len, query_start_loc=query_start_loc
+            )
+            self.row_request.copy_(request)
+            self.q_pos.copy_(position)
+            self.kv_lens.copy_(torch.where(position >= 0, seq_lens.long()[request], 0))
+            self.req_start.copy_(query_start_loc)
             return
         if kernel is None:
             kernel = seq_lens.is_cuda and _triton_available()

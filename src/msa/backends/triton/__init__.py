@@ -46,6 +46,7 @@ class TritonBackend(Backend):
         power_of_two_pages=True,
         query_lens=(1, 32),
         lse=True,
+        ragged=True,
     )
 
     def __init__(self, **config_overrides: Any) -> None:
@@ -64,7 +65,13 @@ class TritonBackend(Backend):
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
         sm_count = detect(device).sm_count
         return choose_config(
-            problem.geometry, problem.num_rows, sm_count, kv_layout=problem.kv_layout, **self.config_overrides
+            problem.geometry,
+            problem.num_rows,
+            sm_count,
+            kv_layout=problem.kv_layout,
+            batch_size=problem.batch_size,
+            query_len=problem.query_len,
+            **self.config_overrides,
         )
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> TritonPlan:

@@ -28,6 +28,9 @@ class LaunchConfig:
     num_warps, num_stages: Triton launch parameters.
     compute: dtype of the tensor-core dots for quantized caches ("fp16" or "bf16"; both are
         exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype).
+    dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
+        of the tokens' page lists, reading each page once (`token_chunks` chunks per request,
+        `block_m` rows = tokens x GQA group, `entries_pad` list entries).
     """
 
     block_n: int
@@ -38,6 +41,11 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     compute: str = "fp16"
+    dedup: bool = False
+    tokens: int = 1
+    token_chunks: int = 1
+    block_m: int = 16
+    entries_pad: int = 0
 
     @property
     def fused(self) -> bool:
@@ -50,6 +58,9 @@ def choose_config(
     sm_count: int,
     *,
     kv_layout: str = "bfloat16",
+    batch_size: int | None = None,
+    query_len: int = 1,
+    dedup: bool | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -71,7 +82,16 @@ def choose_config(
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
     quantized = kv_layout in ("fp8_e4m3", "nvfp4")
-    programs = max(num_rows * g.num_kv_heads * group_chunks, 1)
+    tokens = min(query_len, max(1, 128 // g.group_size), max(1, 256 // g.topk))
+    if dedup is None:
+        dedup = dedup_pays(g, kv_layout, query_len)
+    dedup = dedup and dedup_supported(g, kv_layout, query_len)
+    token_chunks = -(-query_len // tokens) if dedup else 1
+    batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
+    if dedup:
+        programs = max(batch * g.num_kv_heads * token_chunks, 1)
+    else:
+        programs = max(num_rows * g.num_kv_heads * group_chunks, 1)
     if num_splits is None:
         # one fused pass once the grid holds 2 programs per SM (1 for quantized caches, whose
         # programs are longer); else split each row's tiles, aiming at WAVES programs per SM
@@ -84,14 +104,35 @@ def choose_config(
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
     num_splits = max(1, min(num_splits, tiles))
+    if dedup:
+        tiles = tokens * g.topk * (g.page_size // block_n)
+        num_splits = max(1, min(num_splits, tiles))
     per_split = -(-tiles // num_splits)
+    block_m = max(16, _next_pow2(tokens * g.group_size)) if dedup else block_g
     return LaunchConfig(
         block_n=block_n,
         block_g=block_g,
         group_chunks=group_chunks,
         num_splits=-(-tiles // per_split),
         tiles_per_split=per_split,
-        num_warps=num_warps if num_warps is not None else (8 if wide or block_g * g.head_dim > 8192 else 4),
+        num_warps=num_warps if num_warps is not None else (8 if wide or block_m * g.head_dim > 8192 else 4),
         num_stages=num_stages if num_stages is not None else (3 if quantized else 2),
         compute=compute if compute is not None else "fp16",
+        dedup=dedup,
+        tokens=tokens if dedup else 1,
+        token_chunks=token_chunks,
+        block_m=block_m,
+        entries_pad=_next_pow2(tokens * g.topk) if dedup else 0,
     )
+
+
+def dedup_supported(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
+    """The dedup kernel serves split layouts (bf16, fp16, fp8) whose GQA group leaves room for
+    two or more query tokens in a 128-row tile."""
+    return kv_layout != "nvfp4" and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 128
+
+
+def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
+    """The policy: dedup whenever it is supported and L >= 2 (see benchmarks/RESULTS.md for the
+    measured crossover)."""
+    return dedup_supported(geometry, kv_layout, query_len)

@@ -84,7 +84,7 @@ def _finish(acc, cols, m_i, l_i, r, qh, g_mask, split, v_scale,
         empty = l_i == 0.0
         inv = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, l_i))
         o = acc * inv[:, None]
-        ptrs = out_ptr + r * stride_or + qh[:, None] * stride_oh + cols[None, :]
+        ptrs = out_ptr + (r * stride_or + qh * stride_oh)[:, None] + cols[None, :]  # r: scalar or per row
         tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         if WRITE_LSE & WRITE_ML:
             lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
@@ -282,3 +282,118 @@ def merge_kernel(
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), (m_max + tl.log2(tl.where(empty, 1.0, total))) * LN2)
         tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def split_dedup_kernel(
+    q_ptr, cache_ptr, topk_ptr, table_ptr, req_start_ptr, q_pos_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
+    num_pages, max_blocks,
+    stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
+    stride_th, stride_tr, stride_tk, stride_bt,
+    stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
+    TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Page dedup for several query tokens of one request (split layouts).
+
+    One program takes up to TOKENS consecutive tokens of request b (all their query heads of KV
+    head h: BLOCK_M rows) and walks the union of their index lists: an entry whose block an
+    earlier entry of the union already holds is skipped, so each (request, KV head, page) is
+    read once per program; every row keeps its own selection (a per-entry token bitmask) and
+    its own causal limit. Results are exactly those of the per-token kernel.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    c = pid % TOKEN_CHUNKS
+    h = (pid // TOKEN_CHUNKS) % NUM_KV_HEADS
+    b = pid // (TOKEN_CHUNKS * NUM_KV_HEADS)
+    start = tl.load(req_start_ptr + b)
+    count = tl.load(req_start_ptr + b + 1) - start
+    first_token = c * TOKENS
+
+    # rows: token ti of the chunk, query head g
+    m = tl.arange(0, BLOCK_M)
+    ti = m // GROUP
+    g = m % GROUP
+    row_ok = (ti < TOKENS) & (first_token + ti < count)
+    r = start + first_token + ti
+    qh = h * GROUP + g
+    n_row = tl.maximum(tl.load(q_pos_ptr + r, mask=row_ok, other=-1) + 1, 0)  # visible tokens per row
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(COMPUTE)
+    qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+
+    # the chunk's entries: token ei's entry et; resolved once (no dependent loads in the loop)
+    e = tl.arange(0, ENTRIES_PAD)
+    ei = e // TOPK
+    e_ok = (ei < TOKENS) & (first_token + ei < count)
+    er = start + first_token + ei
+    ids = tl.load(topk_ptr + h * stride_th + er * stride_tr + (e % TOPK) * stride_tk, mask=e_ok, other=-1)
+    n_e = tl.maximum(tl.load(q_pos_ptr + er, mask=e_ok, other=-1) + 1, 0)
+    used = e_ok & (ids >= 0) & (ids < tl.minimum((n_e + PAGE - 1) // PAGE, max_blocks))
+    ids = tl.where(used, ids, 0)
+    pages = tl.load(table_ptr + b * stride_bt + ids, mask=used, other=-1)
+    used = used & (pages >= 0) & (pages < num_pages)
+    key = tl.where(used, ids, -1)
+    bit = tl.where(used, tl.full([ENTRIES_PAD], 1, tl.int64) << ei.to(tl.int64), 0)
+    max_n = tl.max(n_row, axis=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    CHUNKS: tl.constexpr = PAGE // BLOCK_N
+    offs = tl.arange(0, BLOCK_N)
+    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
+        tile = split * TILES_PER_SPLIT + step
+        t = tile // CHUNKS
+        key_t = _pick(key, e, t)
+        same = key == key_t
+        # the first entry of the union holding this block loads it; the others skip
+        earlier = tl.sum(tl.where(same & (e < t), 1, 0), axis=0)
+        lead = tl.where(key_t >= 0, 1 - tl.minimum(earlier, 1), 0)
+        tokens = tl.reduce(tl.where(same, bit, 0), 0, _or)  # which of the chunk's tokens chose it
+        page = _pick(pages, e, t).to(tl.int64)
+        tok = (tile % CHUNKS) * BLOCK_N + offs
+        kv_visible = tok < tl.where(lead > 0, max_n - key_t * PAGE, 0)
+        rows_ptr = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
+        k = tl.load(rows_ptr + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+        chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
+        limit_row = tl.where(chose, n_row - key_t * PAGE, 0)
+        limit_row = tl.where(lead > 0, limit_row, 0)
+        s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v = tl.load(rows_ptr + HEAD_DIM + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+    _finish(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+            stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
+            WRITE_LSE, True)
+
+
+@triton.jit
+def pad_rows_kernel(q_pos_ptr, out_ptr, lse_ptr, stride_or, stride_oh, stride_lr, stride_lh,
+                    NUM_Q_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    WRITE_LSE: tl.constexpr):
+    """Rows at a negative position attend nothing: out 0, LSE -inf. Run after the dedup kernel
+    of a ragged step, whose programs do not cover the rows past the last request."""
+    r = tl.program_id(0)
+    if tl.load(q_pos_ptr + r) < 0:
+        qh = tl.arange(0, BLOCK_H)
+        h_ok = qh < NUM_Q_HEADS
+        d = tl.arange(0, HEAD_DIM)
+        ptrs = out_ptr + r * stride_or + qh[:, None] * stride_oh + d[None, :]
+        tl.store(ptrs, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+        if WRITE_LSE:
+            tl.store(lse_ptr + r * stride_lr + qh * stride_lh, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)

@@ -8,7 +8,14 @@ import torch
 import triton.language as tl
 
 from msa.backends.triton.config import LaunchConfig
-from msa.backends.triton.kernels import LOG2E, merge_kernel, nvfp4_decode_kernel, split_decode_kernel
+from msa.backends.triton.kernels import (
+    LOG2E,
+    merge_kernel,
+    nvfp4_decode_kernel,
+    pad_rows_kernel,
+    split_decode_kernel,
+    split_dedup_kernel,
+)
 from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
@@ -78,10 +85,7 @@ def launch_decode(
     compute, precision = _compute_dtype(q.dtype, cache.dtype, config)
     topk, table = inputs.topk_indices, inputs.block_table
     lse_arg = lse if lse is not None else out
-    kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
-    grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
-    kernel[grid](
-        q, cache, topk, table, rows.row_request, rows.q_pos,
+    common = (
         out, lse_arg, workspace.partial_out, workspace.partial_ml,
         qs_t if qs_t is not None else out, ks_t if ks_t is not None else out,
         vs_t if vs_t is not None else out, qk_scale, vs,
@@ -89,15 +93,29 @@ def launch_decode(
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
         topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
-        NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size,
-        HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
-        BLOCK_G=config.block_g, BLOCK_N=config.block_n, GROUP_CHUNKS=config.group_chunks,
-        NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
+    )
+    flags = dict(
+        NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size, HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
+        BLOCK_N=config.block_n, NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         Q_SCALE_PTR=qs_t is not None, K_SCALE_PTR=ks_t is not None, V_SCALE_PTR=vs_t is not None,
-        WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision,
-        TOPK_PAD=max(2, 1 << max(g.topk - 1, 0).bit_length()), NUM_STAGES=config.num_stages,
+        WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if config.dedup:
+        grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
+        split_dedup_kernel[grid](
+            q, cache, topk, table, rows.req_start, rows.q_pos, *common,
+            TOKENS=config.tokens, TOKEN_CHUNKS=config.token_chunks, BLOCK_M=config.block_m,
+            ENTRIES_PAD=config.entries_pad, **flags,
+        )
+    else:
+        kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
+        grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
+        kernel[grid](
+            q, cache, topk, table, rows.row_request, rows.q_pos, *common,
+            BLOCK_G=config.block_g, GROUP_CHUNKS=config.group_chunks,
+            TOPK_PAD=max(2, 1 << max(g.topk - 1, 0).bit_length()), **flags,
+        )
     if config.num_splits > 1:
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg,
@@ -107,4 +125,11 @@ def launch_decode(
             BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(),
             V_SCALE_PTR=vs_t is not None, WRITE_LSE=lse is not None,
             num_warps=4,
+        )
+    if config.dedup and rows.ragged:  # rows past the last request: no dedup program covers them
+        pad_rows_kernel[(problem.num_rows,)](
+            rows.q_pos, out, lse_arg, out.stride(0), out.stride(1), lse_arg.stride(0),
+            lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
+            NUM_Q_HEADS=g.num_q_heads, BLOCK_H=1 << max(g.num_q_heads - 1, 0).bit_length(),
+            HEAD_DIM=g.head_dim, WRITE_LSE=lse is not None,
         )
