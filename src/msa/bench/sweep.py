@@ -77,16 +77,16 @@ def unique_bytes(kw: dict[str, Any], step: DecodeStep) -> tuple[int, float]:
     hkv, rows, k = used.shape
     batch = rows // length
     tokens = (visible.view(1, -1, 1) - block * g.page_size).clamp(0, g.page_size) * used
-    key = torch.where(used, block, -1).view(hkv, batch, length * k)
+    key = torch.where(used, block, -1).reshape(hkv, batch, length * k)
     per_request = torch.zeros((hkv, batch, kw["block_table"].shape[1] + 1), dtype=torch.long, device=key.device)
     per_request.scatter_reduce_(2, torch.where(key >= 0, key, per_request.shape[2] - 1),
-                                tokens.view(hkv, batch, length * k), reduce="amax")
+                                tokens.reshape(hkv, batch, length * k), reduce="amax")
     unique = int(per_request[..., :-1].sum())
     q = kw["q"]
     n_bytes = unique * step.layout.bytes_per_token(g.head_dim) + q.numel() * (q.element_size() + 2)
     if length == 1:
         return n_bytes, 0.0
-    ids = torch.where(used, block, -1).view(hkv, batch, length, k)
+    ids = torch.where(used, block, -1).reshape(hkv, batch, length, k)
     shared = (ids[:, :, 1:, :, None] == ids[:, :, :-1, None, :]).any(-1) & (ids[:, :, 1:] >= 0)
     total = (ids[:, :, 1:] >= 0).sum().clamp(min=1)
     return n_bytes, float(shared.sum() / total)
