@@ -82,7 +82,7 @@ def choose_config(
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
     quantized = kv_layout in ("fp8_e4m3", "nvfp4")
-    tokens = min(query_len, max(1, 128 // g.group_size), max(1, 256 // g.topk))
+    tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
     if dedup is None:
         dedup = dedup_pays(g, kv_layout, query_len)
     dedup = dedup and dedup_supported(g, kv_layout, query_len)
@@ -129,7 +129,7 @@ def choose_config(
 def dedup_supported(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
     """The dedup kernel serves split layouts (bf16, fp16, fp8) whose GQA group leaves room for
     two or more query tokens in a 128-row tile."""
-    return kv_layout != "nvfp4" and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 128
+    return kv_layout != "nvfp4" and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
 
 
 def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int) -> bool:

@@ -308,10 +308,10 @@ def split_dedup_kernel(
     """Page dedup for several query tokens of one request (split layouts).
 
     One program takes up to TOKENS consecutive tokens of request b (all their query heads of KV
-    head h: BLOCK_M rows) and walks the union of their index lists: an entry whose block an
-    earlier entry of the union already holds is skipped, so each (request, KV head, page) is
-    read once per program; every row keeps its own selection (a per-entry token bitmask) and
-    its own causal limit. Results are exactly those of the per-token kernel.
+    head h: BLOCK_M rows), builds the union of their index lists in registers, and walks only
+    the union's tiles (a loop of dynamic length): each (request, KV head, page) is read once
+    per program; every row keeps its own selection (the union entry's token bitmask) and its
+    own causal limit. Results are exactly those of the per-token kernel.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -350,29 +350,35 @@ def split_dedup_kernel(
     bit = tl.where(used, tl.full([ENTRIES_PAD], 1, tl.int64) << ei.to(tl.int64), 0)
     max_n = tl.max(n_row, axis=0)
 
+    # the union, resolved once: an entry leads if no earlier entry holds its block; a lead
+    # carries the bitmask of the chunk's tokens that chose the block, and its rank in the union
+    same = (key[:, None] == key[None, :]) & (key[:, None] >= 0)
+    earlier = tl.sum(tl.where(same & (e[None, :] < e[:, None]), 1, 0), axis=1)
+    lead = tl.where((key >= 0) & (earlier == 0), 1, 0)
+    chosen_by = tl.reduce(tl.where(same, bit[None, :], 0), 1, _or)
+    rank = tl.cumsum(lead, axis=0) - 1
+    CHUNKS: tl.constexpr = PAGE // BLOCK_N
+    total = tl.sum(lead, axis=0) * CHUNKS  # tiles of the union: only these are walked
+    per_split = (total + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, total)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
-        tile = split * TILES_PER_SPLIT + step
-        t = tile // CHUNKS
-        key_t = _pick(key, e, t)
-        same = key == key_t
-        # the first entry of the union holding this block loads it; the others skip
-        earlier = tl.sum(tl.where(same & (e < t), 1, 0), axis=0)
-        lead = tl.where(key_t >= 0, 1 - tl.minimum(earlier, 1), 0)
-        tokens = tl.reduce(tl.where(same, bit, 0), 0, _or)  # which of the chunk's tokens chose it
-        page = _pick(pages, e, t).to(tl.int64)
+    for tile in tl.range(lo, hi, num_stages=NUM_STAGES):
+        sel = (lead > 0) & (rank == tile // CHUNKS)
+        key_t = tl.sum(tl.where(sel, key, 0), axis=0)
+        tokens = tl.sum(tl.where(sel, chosen_by, 0), axis=0)
+        page = tl.sum(tl.where(sel, pages, 0), axis=0).to(tl.int64)
         tok = (tile % CHUNKS) * BLOCK_N + offs
-        kv_visible = tok < tl.where(lead > 0, max_n - key_t * PAGE, 0)
+        kv_visible = tok < max_n - key_t * PAGE
         rows_ptr = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
         k = tl.load(rows_ptr + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
         limit_row = tl.where(chose, n_row - key_t * PAGE, 0)
-        limit_row = tl.where(lead > 0, limit_row, 0)
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v = tl.load(rows_ptr + HEAD_DIM + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
