@@ -123,10 +123,25 @@ def test_ragged_through_the_api_and_validation() -> None:
 def test_policy_picks_dedup_from_shapes_only() -> None:
     m3 = msa.MINIMAX_M3
     assert choose_config(m3, 64 * 4, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=4).dedup
+    assert choose_config(m3, 33 * 3, 132, kv_layout="bfloat16", batch_size=33, query_len=3).dedup
+    assert not choose_config(m3, 16 * 4, 132, kv_layout="fp8_e4m3", batch_size=16, query_len=4).dedup, "too few programs"
+    assert not choose_config(m3, 64 * 8, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=8).dedup
+    assert not choose_config(m3, 64 * 2, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=2).dedup
     assert not choose_config(m3, 64, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=1).dedup
     assert not choose_config(m3, 64 * 4, 132, kv_layout="nvfp4", batch_size=64, query_len=4).dedup
-    wide = choose_config(m3, 2 * 32, 132, kv_layout="bfloat16", batch_size=2, query_len=32)
+    wide = choose_config(m3, 2 * 32, 132, kv_layout="bfloat16", batch_size=2, query_len=32, dedup=True)
     assert wide.dedup and wide.tokens == 8 and wide.token_chunks == 4 and wide.block_m == 128
+
+
+def test_dedup_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from msa.problem import DecodeProblem
+
+    problem = DecodeProblem(msa.MINIMAX_M3, 64, 4, "fp8_e4m3", torch.bfloat16, torch.bfloat16, "cpu", 0, 512)
+    monkeypatch.setenv("MSA_TRITON_DEDUP", "1")
+    assert TritonBackend().config_for(problem, torch.device("cpu")).dedup
+    monkeypatch.setenv("MSA_TRITON_DEDUP", "0")
+    assert not TritonBackend().config_for(problem, torch.device("cpu")).dedup
+    assert TritonBackend(dedup=True).config_for(problem, torch.device("cpu")).dedup
 
 
 @pytest.mark.gpu

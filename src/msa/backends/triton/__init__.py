@@ -5,6 +5,7 @@ any top-k, natural-log LSE. Runs on CUDA GPUs (compute capability >= 8.0), and o
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -63,7 +64,13 @@ class TritonBackend(Backend):
         return []
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
+        """The launch configuration for `problem`. `MSA_TRITON_DEDUP=1` / `0` forces the dedup /
+        per-token strategy for multi-token steps (constructor overrides win)."""
         sm_count = detect(device).sm_count
+        overrides = dict(self.config_overrides)
+        env = os.environ.get("MSA_TRITON_DEDUP", "")
+        if env in ("0", "1") and "dedup" not in overrides:
+            overrides["dedup"] = env == "1"
         return choose_config(
             problem.geometry,
             problem.num_rows,
@@ -71,7 +78,7 @@ class TritonBackend(Backend):
             kv_layout=problem.kv_layout,
             batch_size=problem.batch_size,
             query_len=problem.query_len,
-            **self.config_overrides,
+            **overrides,
         )
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> TritonPlan:

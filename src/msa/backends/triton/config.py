@@ -84,7 +84,7 @@ def choose_config(
     quantized = kv_layout in ("fp8_e4m3", "nvfp4")
     tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
     if dedup is None:
-        dedup = dedup_pays(g, kv_layout, query_len)
+        dedup = dedup_pays(g, kv_layout, query_len, batch_size or 0, sm_count)
     dedup = dedup and dedup_supported(g, kv_layout, query_len)
     token_chunks = -(-query_len // tokens) if dedup else 1
     batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
@@ -132,7 +132,17 @@ def dedup_supported(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
     return kv_layout != "nvfp4" and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
 
 
-def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
-    """The policy: dedup whenever it is supported and L >= 2 (see benchmarks/RESULTS.md for the
-    measured crossover)."""
-    return dedup_supported(geometry, kv_layout, query_len)
+def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int, batch_size: int, sm_count: int) -> bool:
+    """The policy, from shapes only (the overlap between tokens is not known without reading the
+    indices): dedup for L = 3 or 4 once (request, KV head) programs fill the SMs.
+
+    Measured on the H200 (M3 TP1, 64K contexts; benchmarks/RESULTS.md, speed-up over
+    per-token): at L = 4 and ~80% page overlap 1.29x (B=64) and 1.43x (B=128) for fp8, 1.18x and
+    1.07x for bf16, but 0.62x / 0.82x at B=16 (too few programs); at L = 2 0.79x..1.09x; at L = 8
+    0.26x..1.18x. Without overlap at L = 4 it is 0.75x (fp8) / 0.83x (bf16) at B=64: the price of
+    choosing it without seeing the indices."""
+    return (
+        dedup_supported(geometry, kv_layout, query_len)
+        and 3 <= query_len <= 4
+        and batch_size * geometry.num_kv_heads >= sm_count
+    )
