@@ -9,10 +9,13 @@ read or written out of bounds; the outputs must still equal the reference.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import msa
 from msa.backends.triton import TritonBackend
+from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
@@ -34,16 +37,18 @@ for layout in ("bfloat16", "fp8_e4m3", "nvfp4"):
     kw["seq_lens"] = torch.tensor([10_000, 0, 599, 64], dtype=torch.int32, device="cuda")  # request 0 overruns its table
     problem, inputs = check_decode_inputs(**kw, return_lse=True)
     ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
-    for splits in (1, 3):
-        backend = TritonBackend(num_splits=splits)
+    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=3)
+    strategies = (False, True) if layout != "nvfp4" else (False,)
+    for splits, dedup in itertools.product((1, 3), strategies):
+        backend = TritonBackend(num_splits=splits, dedup=dedup)
         out = torch.full_like(ref_out, float("nan"))
         lse = torch.full_like(ref_lse, float("nan"))
-        backend.run(backend.plan(problem, inputs), inputs, out, lse)
+        backend.run(backend.plan(problem, tables), inputs, out, lse)
         torch.cuda.synchronize()
         err = (out.float() - ref_out.float()).abs().max().item()
         lerr = (lse - ref_lse).nan_to_num(0.0, posinf=1.0, neginf=1.0).abs().max().item()
         assert err < 5e-3 and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), (layout, splits, err)
-        print(f"{layout:9s} splits={splits}: max err {err:.1e}, lse err {lerr:.1e}")
+        print(f"{layout:9s} splits={splits} dedup={dedup}: max err {err:.1e}, lse err {lerr:.1e}")
     # writers: slots far past the cache and negative ones are skipped
     key = torch.randn(32, 2, 128, device="cuda").bfloat16()
     slots = torch.arange(32, device="cuda")
