@@ -24,12 +24,20 @@ import torch
 from msa.backends.base import Backend
 from msa.errors import MSAInputError
 from msa.layouts import get_layout
-from msa.planning import PlanCache, RowMetadata, StepTables
+from msa.planning import PlanCache, StepTables
 from msa.platform import Platform, detect
 from msa.policy import SelectionPolicy, default_policy
 from msa.problem import DecodeProblem, Geometry
 from msa.scales import Scale
-from msa.validation import Q_DTYPES, check_decode_data, check_decode_inputs, output_dtype, validation_requested
+from msa.validation import (
+    Q_DTYPES,
+    check_decode_data,
+    check_decode_inputs,
+    check_int32,
+    check_tensor,
+    output_dtype,
+    validation_requested,
+)
 
 __all__ = ["PlanKey", "DecodePlan", "DecodePlanner"]
 
@@ -76,21 +84,17 @@ class DecodePlan:
 
 
 def _check_tables(block_table: object, seq_lens: object, device: torch.device, decode_query_len: object) -> tuple[torch.Tensor, torch.Tensor]:
-    for name, value, dim, doc in (("block_table", block_table, 2, "[B, max_blocks]"), ("seq_lens", seq_lens, 1, "[B]")):
-        if not isinstance(value, torch.Tensor):
-            raise MSAInputError(name, "a torch.Tensor", type(value).__name__)
-        if value.dtype != torch.int32 or value.dim() != dim:
-            raise MSAInputError(name, f"an int32 tensor {doc}", f"{value.dtype} of shape {tuple(value.shape)}")
-        if value.device != device:
-            raise MSAInputError(name, f"a tensor on {device} (the planner's device)", value.device)
-    assert isinstance(block_table, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
-    if block_table.shape[0] != seq_lens.shape[0] or block_table.shape[1] < 1:
-        raise MSAInputError("block_table", f"shape [{seq_lens.shape[0]}, max_blocks >= 1] (B from seq_lens)", tuple(block_table.shape))
-    if block_table.stride(-1) != 1:
-        raise MSAInputError("block_table", "unit stride in the last dimension", block_table.stride())
+    table = check_tensor("block_table", block_table, device, "the planner's device")
+    check_int32("block_table", table, "[B, max_blocks]", 2)
+    lens = check_tensor("seq_lens", seq_lens, device, "the planner's device")
+    check_int32("seq_lens", lens, "[B]", 1)
+    if table.shape[0] != lens.shape[0] or table.shape[1] < 1:
+        raise MSAInputError("block_table", f"shape [{lens.shape[0]}, max_blocks >= 1] (B from seq_lens)", tuple(table.shape))
+    if table.stride(-1) != 1:
+        raise MSAInputError("block_table", "unit stride in the last dimension", table.stride())
     if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:
         raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
-    return block_table, seq_lens
+    return table, lens
 
 
 def _check_ragged(query_start_loc: object, num_rows: object, batch: int, device: torch.device) -> int | None:
@@ -99,14 +103,10 @@ def _check_ragged(query_start_loc: object, num_rows: object, batch: int, device:
         if num_rows is not None:
             raise MSAInputError("num_rows", "None for a uniform step (it is B * decode_query_len)", num_rows)
         return None
-    if not isinstance(query_start_loc, torch.Tensor):
-        raise MSAInputError("query_start_loc", "a torch.Tensor", type(query_start_loc).__name__)
-    if query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (batch + 1,):
-        raise MSAInputError(
-            "query_start_loc", f"an int32 tensor [{batch + 1}] (B+1)", f"{query_start_loc.dtype} of shape {tuple(query_start_loc.shape)}"
-        )
-    if query_start_loc.device != device:
-        raise MSAInputError("query_start_loc", f"a tensor on {device} (the planner's device)", query_start_loc.device)
+    starts = check_tensor("query_start_loc", query_start_loc, device, "the planner's device")
+    check_int32("query_start_loc", starts, "[B+1]", 1)
+    if starts.shape[0] != batch + 1:
+        raise MSAInputError("query_start_loc", f"{batch + 1} entries (B+1, B from seq_lens)", starts.shape[0])
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 0:
         raise MSAInputError("num_rows", "the rows of q (an int >= 0) for a ragged step", repr(num_rows))
     return num_rows
@@ -240,9 +240,10 @@ class DecodePlanner:
         def create() -> DecodePlan:
             problem = self._problem(batch, decode_query_len, table, ragged_rows)
             backend = policy.registry.get(name)
-            rows = RowMetadata(batch, decode_query_len, self.device, num_rows=ragged_rows, ragged=ragged_rows is not None)
-            tables = StepTables(table, lens, seq_lens_cpu, rows, query_start_loc)
-            rows.refresh(lens, query_start_loc)
+            tables = StepTables.build(
+                table, lens, decode_query_len=decode_query_len, seq_lens_cpu=seq_lens_cpu,
+                query_start_loc=query_start_loc, num_rows=ragged_rows,
+            )
             return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables))
 
         cached = key in self.plans

@@ -10,7 +10,7 @@ import os
 import attrs
 import torch
 
-__all__ = ["Platform", "detect", "OPTIONAL_PACKAGES"]
+__all__ = ["Platform", "detect", "triton_available", "OPTIONAL_PACKAGES"]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
 OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer")
@@ -69,6 +69,16 @@ def _installed(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether triton imports (the kernels' host code needs it; checked once)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,8 @@ __all__ = [
     "check_decode_data",
     "output_dtype",
     "validation_requested",
+    "check_tensor",
+    "check_int32",
 ]
 
 #: dtypes accepted for `q`.
@@ -75,15 +77,19 @@ def validation_requested(validate: bool) -> bool:
     return validate or os.environ.get("MSA_VALIDATE", "") not in ("", "0")
 
 
-def _tensor(argument: str, value: object, device: torch.device | None = None) -> torch.Tensor:
+def check_tensor(
+    argument: str, value: object, device: torch.device | None = None, whose: str = "the device of q"
+) -> torch.Tensor:
+    """`value` as a tensor (on `device`, when given), or an `MSAInputError` naming `argument`."""
     if not isinstance(value, torch.Tensor):
         raise MSAInputError(argument, "a torch.Tensor", type(value).__name__)
     if device is not None and value.device != device:
-        raise MSAInputError(argument, f"a tensor on {device} (the device of q)", value.device)
+        raise MSAInputError(argument, f"a tensor on {device} ({whose})", value.device)
     return value
 
 
-def _int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:
+def check_int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:
+    """An int32 tensor of `dim` dimensions, or an `MSAInputError` naming `argument`."""
     if value.dtype != torch.int32 or value.dim() != dim:
         raise MSAInputError(
             argument, f"an int32 tensor {shape_doc}", f"{value.dtype} of shape {tuple(value.shape)}"
@@ -104,7 +110,7 @@ def _check_output(
 ) -> torch.Tensor | None:
     if value is None:
         return None
-    t = _tensor(argument, value, device)
+    t = check_tensor(argument, value, device)
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise MSAInputError(
             argument,
@@ -142,10 +148,10 @@ def check_decode_inputs(
     Raises:
         MSAInputError: naming the first argument that breaks the contract.
     """
-    q_t = _tensor("q", q)
+    q_t = check_tensor("q", q)
     _check_q(q_t)
     device = q_t.device
-    cache = _tensor("kv_cache", kv_cache, device)
+    cache = check_tensor("kv_cache", kv_cache, device)
     layout = layout_for_cache(cache, kv_cache_dtype)
     shape = layout.inspect(cache)
     rows, num_q_heads, head_dim = q_t.shape
@@ -164,13 +170,13 @@ def check_decode_inputs(
     if decode_query_len < 1:
         raise MSAInputError("decode_query_len", "an int >= 1", decode_query_len)
 
-    lens = _tensor("seq_lens", seq_lens, device)
-    _int32("seq_lens", lens, "[B]", 1)
+    lens = check_tensor("seq_lens", seq_lens, device)
+    check_int32("seq_lens", lens, "[B]", 1)
     batch = lens.shape[0]
     starts = None
     if query_start_loc is not None:
-        starts = _tensor("query_start_loc", query_start_loc, device)
-        _int32("query_start_loc", starts, "[B+1]", 1)
+        starts = check_tensor("query_start_loc", query_start_loc, device)
+        check_int32("query_start_loc", starts, "[B+1]", 1)
         if starts.shape[0] != batch + 1:
             raise MSAInputError("query_start_loc", f"{batch + 1} entries (B+1, B from seq_lens)", starts.shape[0])
     elif rows != batch * decode_query_len:
@@ -180,16 +186,16 @@ def check_decode_inputs(
             "(B from seq_lens, L = decode_query_len)",
             f"{rows} rows",
         )
-    table = _tensor("block_table", block_table, device)
-    _int32("block_table", table, "[B, max_blocks]", 2)
+    table = check_tensor("block_table", block_table, device)
+    check_int32("block_table", table, "[B, max_blocks]", 2)
     if table.shape[0] != batch or table.shape[1] < 1:
         raise MSAInputError(
             "block_table", f"shape [{batch}, max_blocks >= 1] (B from seq_lens)", tuple(table.shape)
         )
     if table.stride(-1) != 1:
         raise MSAInputError("block_table", "unit stride in the last dimension", table.stride())
-    indices = _tensor("topk_indices", topk_indices, device)
-    _int32("topk_indices", indices, "[Hkv, B*L, K]", 3)
+    indices = check_tensor("topk_indices", topk_indices, device)
+    check_int32("topk_indices", indices, "[Hkv, B*L, K]", 3)
     if indices.shape[0] != shape.num_kv_heads or indices.shape[1] != rows or indices.shape[2] < 1:
         raise MSAInputError(
             "topk_indices",

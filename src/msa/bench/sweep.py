@@ -121,13 +121,7 @@ def _time_strategy(strategy: str, kw: dict[str, Any], timer: Timer, graph: bool)
     plan = backend.plan(problem, tables)
     out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
 
-    def call() -> None:
-        backend.run(plan, inputs, out, None)
-
-    times = {"eager": timer.eager(call)}
-    if graph:
-        times["graph"] = timer.graph(call)
-    return times, out
+    return _eager_and_graph(lambda: backend.run(plan, inputs, out, None), timer, graph), out
 
 
 def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
@@ -140,13 +134,14 @@ def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> t
     args = (plan, q, kw["kv_cache"], kw["topk_indices"])
     scales = {"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]}
 
-    def call() -> None:
-        planner.run(*args, out=out, **scales)
+    return _eager_and_graph(lambda: planner.run(*args, out=out, **scales), timer, graph), out
 
+
+def _eager_and_graph(call: Callable[[], object], timer: Timer, graph: bool) -> dict[str, float]:
     times = {"eager": timer.eager(call)}
     if graph:
         times["graph"] = timer.graph(call)
-    return times, out
+    return times
 
 
 def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.stderr) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from msa.errors import MSAInputError
+from msa.platform import triton_available
 from msa.scales import Scale, check_scale
 
 __all__ = ["CacheShape", "KVLayout", "SlotWrite"]
@@ -168,7 +169,7 @@ class KVLayout(abc.ABC):
         k = self._resolve_scale("k_scale", k_scale, cache.device, key, keep)
         v = self._resolve_scale("v_scale", v_scale, cache.device, value, keep)
         if kernel is None:
-            kernel = cache.is_cuda and _triton_available()
+            kernel = cache.is_cuda and triton_available()
         if kernel:
             self._store_kernel(cache, shape, key, value, slots, k, v)
         else:
@@ -247,12 +248,6 @@ class KVLayout(abc.ABC):
         return self.gather(cache, pages, heads, k_scale=k_scale, v_scale=v_scale)
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_write_inputs(

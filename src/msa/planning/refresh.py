@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from msa.platform import triton_available
 from msa.semantics import row_positions
 
 __all__ = ["RowMetadata"]
@@ -89,7 +90,7 @@ class RowMetadata:
             self.req_start.copy_(query_start_loc)
             return
         if kernel is None:
-            kernel = seq_lens.is_cuda and _triton_available()
+            kernel = seq_lens.is_cuda and triton_available()
         if kernel:
             from msa.planning.kernels import BLOCK, refresh_rows_kernel
 
@@ -99,11 +100,3 @@ class RowMetadata:
             return
         torch.index_select(seq_lens, 0, self.row_request, out=self.kv_lens)
         torch.sub(self.kv_lens, self.row_shift, out=self.q_pos)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

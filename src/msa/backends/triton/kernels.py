@@ -31,6 +31,20 @@ def _row_context(row_request_ptr, q_pos_ptr, r, PAGE: tl.constexpr, max_blocks):
 
 
 @triton.jit
+def _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+             PAGE: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr):
+    """What a per-token program serves: (split, KV head h, row r, request b, visible tokens n,
+    visible block limit, its query heads qh [BLOCK_G], their mask)."""
+    pid = tl.program_id(0)
+    gc = pid % GROUP_CHUNKS
+    h = (pid // GROUP_CHUNKS) % NUM_KV_HEADS
+    r = pid // (GROUP_CHUNKS * NUM_KV_HEADS)
+    b, n, limit = _row_context(row_request_ptr, q_pos_ptr, r, PAGE, max_blocks)
+    g = gc * BLOCK_G + tl.arange(0, BLOCK_G)
+    return tl.program_id(1), h, r, b, n, limit, h * GROUP + g, g < GROUP
+
+
+@triton.jit
 def _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages, stride_th, stride_tr, stride_tk, stride_bt,
              TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
     """The row's index list resolved once: (entry ids, block ids, pages, used), each [TOPK_PAD].
@@ -115,15 +129,8 @@ def split_decode_kernel(
     TOPK_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Split layouts: cache [pages, Hkv, P, 2D] (bf16, fp16 or fp8), K = [..., :D], V = [..., D:]."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    gc = pid % GROUP_CHUNKS
-    h = (pid // GROUP_CHUNKS) % NUM_KV_HEADS
-    r = pid // (GROUP_CHUNKS * NUM_KV_HEADS)
-    b, n, limit = _row_context(row_request_ptr, q_pos_ptr, r, PAGE, max_blocks)
-    g = gc * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_mask = g < GROUP
-    qh = h * GROUP + g
+    split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
+                                                     PAGE, BLOCK_G, GROUP_CHUNKS)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
@@ -202,15 +209,8 @@ def nvfp4_decode_kernel(
     """NVFP4 head slots: cache uint8 [pages, 2Hkv, P, D/2 + D/16]; slot 2h is K, 2h+1 is V.
     Even and odd head-dim elements are kept apart (low and high nibbles), so q is split the same
     way and the output is written back interleaved."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    gc = pid % GROUP_CHUNKS
-    h = (pid // GROUP_CHUNKS) % NUM_KV_HEADS
-    r = pid // (GROUP_CHUNKS * NUM_KV_HEADS)
-    b, n, limit = _row_context(row_request_ptr, q_pos_ptr, r, PAGE, max_blocks)
-    g = gc * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_mask = g < GROUP
-    qh = h * GROUP + g
+    split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
+                                                     PAGE, BLOCK_G, GROUP_CHUNKS)
     dh = tl.arange(0, HEAD_DIM // 2)
     q_row = q_ptr + r * stride_qr + qh[:, None] * stride_qh
     q_even = tl.load(q_row + 2 * dh[None, :], mask=g_mask[:, None], other=0.0).to(COMPUTE)
