@@ -9,8 +9,7 @@ tensor scales are read on the device (graph-safe). An entry SPEC §3 skips is ne
 page pointer is not formed and its tile is not loaded.
 
 With one split the program writes the normalised output and the LSE; with several it writes
-its running max, sum and unnormalised accumulator to a workspace, and the last split of the
-group to finish (an atomic counter) merges them: one kernel launch either way.
+its running max, sum and unnormalised accumulator to a workspace that `merge_kernel` combines.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ def _finish(acc, cols, m_i, l_i, r, qh, g_mask, split, v_scale,
 @triton.jit
 def split_decode_kernel(
     q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
-    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
@@ -161,9 +160,6 @@ def split_decode_kernel(
     _finish(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
             stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
             WRITE_LSE, True)
-    if NUM_SPLITS > 1:
-        _merge_if_last(counter_ptr, r, qh, g_mask, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr,
-                       stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
 
 
 @triton.jit
@@ -196,7 +192,7 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
 @triton.jit
 def nvfp4_decode_kernel(
     q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
-    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
@@ -252,45 +248,40 @@ def nvfp4_decode_kernel(
     _finish(acc_odd, 2 * dh + 1, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
             stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
             WRITE_LSE, False)
-    if NUM_SPLITS > 1:
-        _merge_if_last(counter_ptr, r, qh, g_mask, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr,
-                       stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
 
 
 @triton.jit
-def _merge_if_last(counter_ptr, r, qh, row_mask, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr,
-                   stride_or, stride_oh, stride_lr, stride_lh, NUM_Q_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Split-K without a second kernel: the splits of one program group count themselves in
-    (acquire-release atomics); the last to finish merges every split's partials,
-    out = sum_s acc_s 2^(m_s - M) / L, and resets the counter for the next launch (so a captured
-    graph replays correctly)."""
-    tl.debug_barrier()  # every thread of this program has issued its partial stores
-    done = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel")
-    if done == NUM_SPLITS - 1:
-        row = (r * NUM_Q_HEADS + qh) * NUM_SPLITS
-        m_max = tl.full(qh.shape, float("-inf"), tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            m_s = tl.load(part_ml_ptr + (row + s) * 2, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-            m_max = tl.maximum(m_max, m_s)
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        d = tl.arange(0, HEAD_DIM)
-        total = tl.zeros(qh.shape, tl.float32)
-        acc = tl.zeros([qh.shape[0], HEAD_DIM], tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            w = tl.exp2(tl.load(part_ml_ptr + (row + s) * 2, mask=row_mask, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            total += tl.load(part_ml_ptr + (row + s) * 2 + 1, mask=row_mask, other=0.0, cache_modifier=".cg") * w
-            part = tl.load(part_o_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=row_mask[:, None], other=0.0,
-                           cache_modifier=".cg")
-            acc += part * w[:, None]
-        empty = total == 0.0
-        o = acc * tl.where(empty, 0.0, vs / tl.where(empty, 1.0, total))[:, None]
-        tl.store(out_ptr + (r * stride_or + qh * stride_oh)[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None])
-        if WRITE_LSE:
-            lse = tl.where(empty, float("-inf"), (m_max + tl.log2(tl.where(empty, 1.0, total))) * LN2)
-            tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse, mask=row_mask)
-        tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)
+def merge_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, v_scale_ptr, v_scale,
+    stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    V_SCALE_PTR: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Combine the splits of one (row, query head): out = sum_s acc_s 2^(m_s - M) / L."""
+    pid = tl.program_id(0)  # r * NUM_Q_HEADS + qh
+    r = pid // NUM_Q_HEADS
+    qh = pid % NUM_Q_HEADS
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    base = pid * NUM_SPLITS + s
+    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)
+    total = tl.sum(l_s * w, axis=0)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    vs = v_scale
+    if V_SCALE_PTR:
+        vs = vs * tl.load(v_scale_ptr)
+    empty = total == 0.0
+    o = o * tl.where(empty, 0.0, vs / tl.where(empty, 1.0, total))
+    tl.store(out_ptr + r * stride_or + qh * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(empty, float("-inf"), (m_max + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+        tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse)
 
 
 @triton.jit
@@ -301,7 +292,7 @@ def _or(a, b):
 @triton.jit
 def split_dedup_kernel(
     q_ptr, cache_ptr, topk_ptr, table_ptr, req_start_ptr, q_pos_ptr,
-    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
@@ -395,9 +386,6 @@ def split_dedup_kernel(
     _finish(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
             stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
             WRITE_LSE, True)
-    if NUM_SPLITS > 1:
-        _merge_if_last(counter_ptr, r, qh, row_ok, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr,
-                       stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ import triton.language as tl
 from msa.backends.triton.config import LaunchConfig
 from msa.backends.triton.kernels import (
     LOG2E,
+    merge_kernel,
     nvfp4_decode_kernel,
     pad_rows_kernel,
     split_decode_kernel,
@@ -31,23 +32,13 @@ def interpreting() -> bool:
 
 
 class Workspace:
-    """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]`, (max, sum) pairs `[B*L*Hq*S, 2]`, and
-    one int32 counter per program group (zero between launches: the merging program resets it)."""
+    """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]` and (max, sum) pairs `[B*L*Hq*S, 2]`."""
 
     def __init__(self, problem: DecodeProblem, config: LaunchConfig, device: torch.device) -> None:
-        split = config.num_splits > 1
-        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits if split else 0
-        self.partial_out = torch.empty((rows, problem.geometry.head_dim), dtype=torch.float32, device=device)
-        self.partial_ml = torch.empty((rows, 2), dtype=torch.float32, device=device)
-        self.counters = torch.zeros(grid_programs(problem, config) if split else 1, dtype=torch.int32, device=device)
-
-
-def grid_programs(problem: DecodeProblem, config: LaunchConfig) -> int:
-    """Programs along the grid's first axis (one group of splits each)."""
-    g = problem.geometry
-    if config.dedup:
-        return problem.batch_size * g.num_kv_heads * config.token_chunks
-    return problem.num_rows * g.num_kv_heads * config.group_chunks
+        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits
+        size = rows if config.num_splits > 1 else 0
+        self.partial_out = torch.empty((size, problem.geometry.head_dim), dtype=torch.float32, device=device)
+        self.partial_ml = torch.empty((size, 2), dtype=torch.float32, device=device)
 
 
 def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: LaunchConfig) -> tuple[object, str]:
@@ -78,8 +69,8 @@ def launch_decode(
     config: LaunchConfig,
     workspace: Workspace,
 ) -> None:
-    """Run the decode kernel into `out` / `lse` (one launch; split-K merges inside it).
-    Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
+    """Run the decode kernel (and the merge when split) into `out` / `lse`. Allocates nothing
+    and never synchronises: every buffer is the caller's or the plan's."""
     g = problem.geometry
     if problem.num_rows == 0:
         return
@@ -95,7 +86,7 @@ def launch_decode(
     topk, table = inputs.topk_indices, inputs.block_table
     lse_arg = lse if lse is not None else out
     common = (
-        out, lse_arg, workspace.partial_out, workspace.partial_ml, workspace.counters,
+        out, lse_arg, workspace.partial_out, workspace.partial_ml,
         qs_t if qs_t is not None else out, ks_t if ks_t is not None else out,
         vs_t if vs_t is not None else out, qk_scale, vs,
         cache.shape[0], table.shape[1],
@@ -111,7 +102,7 @@ def launch_decode(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config.dedup:
-        grid = (grid_programs(problem, config), config.num_splits)
+        grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
         split_dedup_kernel[grid](
             q, cache, topk, table, rows.req_start, rows.q_pos, *common,
             TOKENS=config.tokens, TOKEN_CHUNKS=config.token_chunks, BLOCK_M=config.block_m,
@@ -119,11 +110,21 @@ def launch_decode(
         )
     else:
         kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
-        grid = (grid_programs(problem, config), config.num_splits)
+        grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
         kernel[grid](
             q, cache, topk, table, rows.row_request, rows.q_pos, *common,
             BLOCK_G=config.block_g, GROUP_CHUNKS=config.group_chunks,
             TOPK_PAD=max(2, 1 << max(g.topk - 1, 0).bit_length()), **flags,
+        )
+    if config.num_splits > 1:
+        merge_kernel[(problem.num_rows * g.num_q_heads,)](
+            workspace.partial_out, workspace.partial_ml, out, lse_arg,
+            vs_t if vs_t is not None else out, vs,
+            out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
+            NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
+            BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(),
+            V_SCALE_PTR=vs_t is not None, WRITE_LSE=lse is not None,
+            num_warps=4,
         )
     if config.dedup and rows.ragged:  # rows past the last request: no dedup program covers them
         pad_rows_kernel[(problem.num_rows,)](
