@@ -26,7 +26,8 @@ pytest: $(STAMP)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict src
-	$(VENV)/bin/ruff check src tests
+	$(PY) -m mypy --check-untyped-defs benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
 
 test: pytest typecheck
 

@@ -7,6 +7,7 @@ time of the row-metadata refresh it launches (Triton kernel; torch ops for compa
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 import time
 
 import torch
@@ -16,7 +17,7 @@ import msa
 from msa.workload import make_decode_step
 
 
-def kernel_us(fn, reps: int = 200) -> float:
+def kernel_us(fn: Callable[[], object], reps: int = 200) -> float:
     """Mean device time per call of the kernels `fn` launches (from the profiler)."""
     fn()
     torch.cuda.synchronize()
@@ -25,7 +26,7 @@ def kernel_us(fn, reps: int = 200) -> float:
             fn()
         torch.cuda.synchronize()
     total = sum(e.self_device_time_total for e in prof.key_averages())
-    return total / reps
+    return float(total) / reps
 
 
 print(f"{'B':>4} {'L':>2} {'plan host us (median)':>22} {'refresh GPU us (triton)':>24} {'refresh GPU us (torch)':>23}")

@@ -12,6 +12,7 @@ import msa
 from msa.backends.triton import TritonBackend
 from msa.bench.sweep import _case, step_bytes
 from msa.bench.timing import Timer, copy_bandwidth
+from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
@@ -30,11 +31,13 @@ for layout in ("fp8_e4m3", "bfloat16", "nvfp4"):
         kw = _case(step, batch, 1, gen)
         n_bytes = step_bytes(kw, step)
         problem, inputs = check_decode_inputs(**kw)
+        tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
         ref = msa.sparse_decode(**kw, backend="reference")
+        assert isinstance(ref, torch.Tensor)
         for splits in options:
             for bn in (32, 64):
                 be = TritonBackend(num_splits=splits, block_n=bn)
-                plan = be.plan(problem, inputs)
+                plan = be.plan(problem, tables)
                 out = torch.empty_like(ref)
                 be.run(plan, inputs, out, None)
                 err = (out.float() - ref.float()).abs().max().item()

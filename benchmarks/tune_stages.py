@@ -13,6 +13,7 @@ import msa
 from msa.backends.triton import TritonBackend
 from msa.bench.sweep import _case, step_bytes
 from msa.bench.timing import Timer, copy_bandwidth
+from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
@@ -30,11 +31,12 @@ for layout in ("fp8_e4m3", "nvfp4"):
         kw = _case(step, batch, 1, gen)
         n_bytes = step_bytes(kw, step)
         problem, inputs = check_decode_inputs(**kw)
+        tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
         out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
         for bn, st, w in itertools.product((32, 64, 128), (3, 4, 6), (4, 8)):
             be = TritonBackend(num_splits=1, block_n=bn, num_stages=st, num_warps=w)
             try:
-                plan = be.plan(problem, inputs)
+                plan = be.plan(problem, tables)
                 us = timer.graph(lambda: be.run(plan, inputs, out, None))
             except Exception as exc:
                 print(f"{layout} B={batch} bn={bn} st={st} w={w}: {type(exc).__name__}", flush=True)

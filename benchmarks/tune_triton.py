@@ -12,17 +12,19 @@ import argparse
 import itertools
 import json
 import time
+from typing import Any
 
 import torch
 import triton
 
 import msa
 from msa.backends.triton import TritonBackend
+from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
 
-def sub_step(kw: dict, batch: int) -> dict:
+def sub_step(kw: dict[str, Any], batch: int) -> dict[str, Any]:
     out = dict(kw)
     out["q"] = kw["q"][:batch]
     out["seq_lens"] = kw["seq_lens"][:batch]
@@ -51,7 +53,9 @@ def main() -> None:
         for batch in (1, 64, 256):
             kw = sub_step(step.kwargs(), batch)
             problem, inputs = check_decode_inputs(**kw)
+            tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
             ref = msa.sparse_decode(**kw, backend="reference")
+            assert isinstance(ref, torch.Tensor)
             visible = batch * 4 * 16 * 128  # every selected page fully visible but the last one
             n_bytes = visible * step.layout.bytes_per_token(128) + 2 * ref.numel() * 2
             these = variants if batch == 64 else [dict(block_n=64, num_stages=3, num_warps=4), dict(block_n=128, num_stages=2, num_warps=8)]
@@ -60,7 +64,7 @@ def main() -> None:
                 for splits in splits_options:
                     be = TritonBackend(compute=compute, num_splits=splits, **variant)
                     try:
-                        plan = be.plan(problem, inputs)
+                        plan = be.plan(problem, tables)
                         out = torch.empty_like(ref)
                         be.run(plan, inputs, out, None)
                         err = (out.float() - ref.float()).abs().max().item()
