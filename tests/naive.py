@@ -66,21 +66,38 @@ def naive_decode(
     seq_lens: torch.Tensor,
     decode_query_len: int,
     score_scale: float,
+    query_start_loc: torch.Tensor | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC §3, one (row, KV head, token) at a time. `keys`/`values` are dequantized, scaled."""
+    """SPEC §3, one (row, KV head, token) at a time. `keys`/`values` are dequantized, scaled.
+
+    Rows are request-major (`r = b*L + i`), or, with a (valid) `query_start_loc`, request `b`
+    owns rows `[qsl[b], qsl[b+1])`; rows owned by no request attend nothing."""
     rows, hq, d = q.shape
     pages, hkv, p, _ = keys.shape
     group = hq // hkv
     qn = q.float().numpy().astype(np.float64)
     ids = topk.numpy()
     table = block_table.numpy()
-    lens = seq_lens.numpy()
+    lens = seq_lens.numpy().astype(np.int64)
     max_blocks = table.shape[1]
     out = np.zeros((rows, hq, d))
     lse = np.full((rows, hq), -np.inf)
+    owner: dict[int, tuple[int, int]] = {}  # row -> (request, position)
+    if query_start_loc is None:
+        for r in range(rows):
+            b, i = divmod(r, decode_query_len)
+            owner[r] = (b, int(lens[b]) - decode_query_len + i)
+    else:
+        starts = query_start_loc.tolist()
+        for b in range(len(starts) - 1):
+            count = starts[b + 1] - starts[b]
+            for i in range(count):
+                owner[starts[b] + i] = (b, int(lens[b]) - count + i)
     for r in range(rows):
-        b, i = divmod(r, decode_query_len)
-        n = max(int(lens[b]) - decode_query_len + i + 1, 0)
+        if r not in owner:
+            continue
+        b, position = owner[r]
+        n = max(position + 1, 0)
         visible_blocks = math.ceil(n / p)
         for h in range(hkv):
             scores: list[np.ndarray] = []

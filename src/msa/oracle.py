@@ -61,12 +61,15 @@ def dense_masked_attention(
             in_table = (ids >= 0) & (ids < max_blocks)
             chosen.scatter_(1, torch.where(in_table, ids, max_blocks), True)
             mask = chosen[:, token // p] & page_ok[token // p] & (token < visible)  # [Hkv, M*P]
+            # only the attended tokens take part: what the others hold (NaN, Inf) is never used
+            k_used = torch.where(mask.unsqueeze(-1), keys, 0.0)
+            v_used = torch.where(mask.unsqueeze(-1), values, 0.0)
             qr = q[r].double().view(hkv, group, d)
-            s = torch.einsum("hgd,htd->hgt", qr, keys) * scale
+            s = torch.einsum("hgd,htd->hgt", qr, k_used) * scale
             s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
             row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, G]
             if bool(mask.any()):
                 probs = torch.softmax(s, dim=-1).nan_to_num(0.0)
-                out[r] = torch.einsum("hgt,htd->hgd", probs, values).reshape(hq, d)
+                out[r] = torch.einsum("hgt,htd->hgd", probs, v_used).reshape(hq, d)
             lse[r] = row_lse.reshape(hq)
     return out, lse

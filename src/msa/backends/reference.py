@@ -77,9 +77,14 @@ class ReferenceBackend(Backend):
                 v_scale=inputs.v_scale,
             )  # [Hkv, rc, K, P, D]
             token = block[:, r0:r1, :, None] * p + offsets  # [Hkv, rc, K, P]
-            valid = used[:, r0:r1, :, None] & (token < visible[r0:r1].view(1, -1, 1, 1))
+            valid = (used[:, r0:r1, :, None] & (token < visible[r0:r1].view(1, -1, 1, 1))).unsqueeze(-1)
+            # Tokens SPEC §3 does not read (skipped entries, the tail of a partly visible page)
+            # were gathered too (from page 0, or past the row's length): zero them before any
+            # arithmetic, so whatever those bytes hold (NaN, Inf) cannot reach the result.
+            keys = torch.where(valid, keys, 0.0)
+            values = torch.where(valid, values, 0.0)
             scores = torch.einsum("hrgd,hrkpd->hrgkp", q[:, r0:r1], keys) * score_scale
-            scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf")).flatten(-2)
+            scores = scores.masked_fill(~valid.squeeze(-1).unsqueeze(2), float("-inf")).flatten(-2)
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, rc, G]; -inf for empty rows
             shift = torch.where(torch.isfinite(row_lse), row_lse, 0.0)
             probs = torch.exp(scores - shift.unsqueeze(-1))  # exp(-inf) = 0 for skipped tokens

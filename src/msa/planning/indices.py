@@ -46,7 +46,10 @@ def resolve_entries(
     idx = topk_indices.long()
     used = (idx >= 0) & (idx < limit.view(1, -1, 1))
     block = torch.where(used, idx, 0)
-    page = block_table.long()[request.view(1, -1, 1), block]
+    if block_table.shape[0] == 0:  # no requests: every row is padding, nothing is used
+        page = torch.zeros_like(block)
+    else:
+        page = block_table.long()[request.view(1, -1, 1), block]
     used &= (page >= 0) & (page < num_pages)
     return used, block, torch.where(used, page, 0), visible
 

@@ -16,4 +16,6 @@ def refresh_rows_kernel(seq_lens_ptr, row_request_ptr, row_shift_ptr, kv_lens_pt
     b = tl.load(row_request_ptr + r, mask=mask, other=0)
     seq = tl.load(seq_lens_ptr + b, mask=mask, other=0)
     tl.store(kv_lens_ptr + r, seq, mask=mask)
-    tl.store(q_pos_ptr + r, seq - tl.load(row_shift_ptr + r, mask=mask, other=0), mask=mask)
+    # in int64, then at least -1: a length near -2**31 must not wrap around to a huge position
+    pos = seq.to(tl.int64) - tl.load(row_shift_ptr + r, mask=mask, other=0)
+    tl.store(q_pos_ptr + r, tl.maximum(pos, -1).to(tl.int32), mask=mask)

@@ -1,9 +1,11 @@
 """Per-row metadata written in place from `seq_lens` (graph-safe: fixed buffers, device ops only).
 
 For row `r = b*L + i`: `row_request[r] = b`, `kv_lens[r] = seq_lens[b]` and
-`q_pos[r] = seq_lens[b] - L + i` (the row's causal position, the "qo_offset" of kernel
-libraries). A Triton kernel rewrites them on CUDA; torch ops elsewhere. Ragged steps
-(`query_start_loc`) are refreshed with torch ops: rows past the last request get position -1.
+`q_pos[r] = max(seq_lens[b] - L + i, -1)` (the row's causal position, the "qo_offset" of kernel
+libraries; -1 for every row that sees nothing). A Triton kernel rewrites them on CUDA; torch ops elsewhere. Ragged steps
+(`query_start_loc`) are refreshed with torch ops: `req_start` holds `query_start_loc` as
+`msa.semantics.request_starts` reads it (well-formed whatever the caller passed), and rows
+owned by no request get position -1.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from msa.platform import triton_available
-from msa.semantics import row_positions
+from msa.semantics import request_starts, row_positions
 
 __all__ = ["RowMetadata"]
 
@@ -85,9 +87,10 @@ class RowMetadata:
                 self.num_rows, seq_lens, decode_query_len=self.query_len, query_start_loc=query_start_loc
             )
             self.row_request.copy_(request)
-            self.q_pos.copy_(position)
-            self.kv_lens.copy_(torch.where(position >= 0, seq_lens.long()[request], 0))
-            self.req_start.copy_(query_start_loc)
+            self.q_pos.copy_(position.clamp(min=-1))
+            lens = torch.cat((seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)))  # B may be 0
+            self.kv_lens.copy_(torch.where(position >= 0, lens[request], 0))
+            self.req_start.copy_(request_starts(query_start_loc, self.num_rows, self.query_len))
             return
         if kernel is None:
             kernel = seq_lens.is_cuda and triton_available()
@@ -99,4 +102,5 @@ class RowMetadata:
             )
             return
         torch.index_select(seq_lens, 0, self.row_request, out=self.kv_lens)
-        torch.sub(self.kv_lens, self.row_shift, out=self.q_pos)
+        # in int64: a length near -2**31 must not wrap around to a huge position
+        self.q_pos.copy_((self.kv_lens.long() - self.row_shift).clamp(min=-1))

@@ -23,9 +23,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _row_context(row_request_ptr, q_pos_ptr, r, PAGE: tl.constexpr, max_blocks):
-    """(request, visible tokens n, visible block limit) of row r, from the plan's row metadata."""
-    b = tl.load(row_request_ptr + r)
-    n = tl.maximum(tl.load(q_pos_ptr + r) + 1, 0)
+    """(request, visible tokens n, visible block limit) of row r, from the plan's row metadata.
+    In int64, so that lengths near 2**31 cannot overflow the block limit."""
+    b = tl.load(row_request_ptr + r).to(tl.int64)
+    n = tl.maximum(tl.load(q_pos_ptr + r).to(tl.int64) + 1, 0)
     limit = tl.minimum((n + PAGE - 1) // PAGE, max_blocks)
     return b, n, limit
 
@@ -149,7 +150,7 @@ def split_decode_kernel(
         page = _pick(pages, e, t).to(tl.int64)
         tok = (tile % CHUNKS) * BLOCK_N + offs
         # tokens of this tile still visible: none when the entry is skipped
-        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t) * PAGE, 0)
+        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
         rows = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
         k = tl.load(rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
@@ -231,7 +232,7 @@ def nvfp4_decode_kernel(
         page = _pick(pages, e, t).to(tl.int64)
         tok = (tile % CHUNKS) * BLOCK_N + offs
         # tokens of this tile still visible: none when the entry is skipped
-        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t) * PAGE, 0)
+        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
         k_slot = cache_ptr + page * stride_cp + (2 * h) * stride_ch
         k_even, k_odd = _nvfp4_tile(k_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, False, COMPUTE)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
@@ -252,17 +253,20 @@ def nvfp4_decode_kernel(
 
 @triton.jit
 def merge_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, v_scale_ptr, v_scale,
+    part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, v_scale_ptr, v_scale, q_pos_ptr,
     stride_or, stride_oh, stride_lr, stride_lh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     V_SCALE_PTR: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """Combine the splits of one (row, query head): out = sum_s acc_s 2^(m_s - M) / L."""
+    """Combine the splits of one (row, query head): out = sum_s acc_s 2^(m_s - M) / L.
+
+    A row at a negative position sees nothing: it gets 0 and an LSE of -inf without reading the
+    workspace (the dedup kernel writes no partials for rows owned by no request)."""
     pid = tl.program_id(0)  # r * NUM_Q_HEADS + qh
     r = pid // NUM_Q_HEADS
     qh = pid % NUM_Q_HEADS
     s = tl.arange(0, BLOCK_S)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < tl.where(tl.load(q_pos_ptr + r) >= 0, NUM_SPLITS, 0)
     base = pid * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
@@ -294,7 +298,7 @@ def split_dedup_kernel(
     q_ptr, cache_ptr, topk_ptr, table_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks,
+    num_pages, max_blocks, num_rows,
     stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
     stride_th, stride_tr, stride_tk, stride_bt,
     stride_or, stride_oh, stride_lr, stride_lh,
@@ -318,8 +322,11 @@ def split_dedup_kernel(
     c = pid % TOKEN_CHUNKS
     h = (pid // TOKEN_CHUNKS) % NUM_KV_HEADS
     b = pid // (TOKEN_CHUNKS * NUM_KV_HEADS)
-    start = tl.load(req_start_ptr + b)
+    # the request's rows, clamped into [0, num_rows) and to the rows this grid covers: whatever
+    # req_start holds, no program reads or writes a row outside q / out
+    start = tl.minimum(tl.maximum(tl.load(req_start_ptr + b), 0), num_rows)
     count = tl.load(req_start_ptr + b + 1) - start
+    count = tl.maximum(tl.minimum(count, tl.minimum(TOKENS * TOKEN_CHUNKS, num_rows - start)), 0)
     first_token = c * TOKENS
 
     # rows: token ti of the chunk, query head g
@@ -329,7 +336,7 @@ def split_dedup_kernel(
     row_ok = (ti < TOKENS) & (first_token + ti < count)
     r = start + first_token + ti
     qh = h * GROUP + g
-    n_row = tl.maximum(tl.load(q_pos_ptr + r, mask=row_ok, other=-1) + 1, 0)  # visible tokens per row
+    n_row = tl.maximum(tl.load(q_pos_ptr + r, mask=row_ok, other=-1).to(tl.int64) + 1, 0)  # visible tokens per row
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(COMPUTE)
@@ -341,14 +348,13 @@ def split_dedup_kernel(
     e_ok = (ei < TOKENS) & (first_token + ei < count)
     er = start + first_token + ei
     ids = tl.load(topk_ptr + h * stride_th + er * stride_tr + (e % TOPK) * stride_tk, mask=e_ok, other=-1)
-    n_e = tl.maximum(tl.load(q_pos_ptr + er, mask=e_ok, other=-1) + 1, 0)
+    n_e = tl.maximum(tl.load(q_pos_ptr + er, mask=e_ok, other=-1).to(tl.int64) + 1, 0)
     used = e_ok & (ids >= 0) & (ids < tl.minimum((n_e + PAGE - 1) // PAGE, max_blocks))
     ids = tl.where(used, ids, 0)
-    pages = tl.load(table_ptr + b * stride_bt + ids, mask=used, other=-1)
+    pages = tl.load(table_ptr + b.to(tl.int64) * stride_bt + ids, mask=used, other=-1)
     used = used & (pages >= 0) & (pages < num_pages)
     key = tl.where(used, ids, -1)
     bit = tl.where(used, tl.full([ENTRIES_PAD], 1, tl.int64) << ei.to(tl.int64), 0)
-    max_n = tl.max(n_row, axis=0)
 
     # the union, resolved once: an entry leads if no earlier entry holds its block; a lead
     # carries the bitmask of the chunk's tokens that chose the block, and its rank in the union
@@ -373,12 +379,14 @@ def split_dedup_kernel(
         tokens = tl.sum(tl.where(sel, chosen_by, 0), axis=0)
         page = tl.sum(tl.where(sel, pages, 0), axis=0).to(tl.int64)
         tok = (tile % CHUNKS) * BLOCK_N + offs
-        kv_visible = tok < max_n - key_t * PAGE
+        # each row sees the tile up to its own causal limit if it chose the block, else not at
+        # all; the tile is loaded up to the furthest of those limits and no further
+        chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
+        limit_row = tl.where(chose, n_row - key_t.to(tl.int64) * PAGE, 0)
+        kv_visible = tok < tl.max(limit_row, axis=0)
         rows_ptr = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
         k = tl.load(rows_ptr + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
-        chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
-        limit_row = tl.where(chose, n_row - key_t * PAGE, 0)
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v = tl.load(rows_ptr + HEAD_DIM + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)

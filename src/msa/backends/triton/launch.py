@@ -104,7 +104,7 @@ def launch_decode(
     if config.dedup:
         grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
         split_dedup_kernel[grid](
-            q, cache, topk, table, rows.req_start, rows.q_pos, *common,
+            q, cache, topk, table, rows.req_start, rows.q_pos, *common[:11], problem.num_rows, *common[11:],
             TOKENS=config.tokens, TOKEN_CHUNKS=config.token_chunks, BLOCK_M=config.block_m,
             ENTRIES_PAD=config.entries_pad, **flags,
         )
@@ -119,14 +119,15 @@ def launch_decode(
     if config.num_splits > 1:
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg,
-            vs_t if vs_t is not None else out, vs,
+            vs_t if vs_t is not None else out, vs, rows.q_pos,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
             NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
             BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(),
             V_SCALE_PTR=vs_t is not None, WRITE_LSE=lse is not None,
             num_warps=4,
         )
-    if config.dedup and rows.ragged:  # rows past the last request: no dedup program covers them
+    if config.dedup and rows.ragged and config.num_splits == 1:
+        # rows owned by no request: no dedup program covers them (the merge zeroes them when split)
         pad_rows_kernel[(problem.num_rows,)](
             rows.q_pos, out, lse_arg, out.stride(0), out.stride(1), lse_arg.stride(0),
             lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
