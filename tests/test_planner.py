@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -81,6 +82,84 @@ def test_plan_cache_basics() -> None:
         PlanCache(0)
 
 
+def _three_lengths(planner: msa.DecodePlanner, step: Any) -> list[msa.DecodePlan]:
+    return [planner.plan(step.block_table, step.seq_lens, decode_query_len=n) for n in (1, 2, 3)]
+
+
+def test_a_held_plan_is_never_replaced_after_eviction() -> None:
+    """The plan a captured graph reads (held by the engine) stays the plan of its shape: after
+    it is evicted, plan() returns it again, refreshed (the old code built a second plan, and the
+    held one silently kept the stale step)."""
+    step = _step()
+    planner = _planner(max_plans=2)
+    held = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    for length in (1, 3, 4):  # push it out of the cache
+        planner.plan(step.block_table, step.seq_lens, decode_query_len=length)
+    assert planner.plans.evictions >= 1 and held.key not in planner.plans
+    step.seq_lens.copy_(torch.tensor([9, 40, 77], dtype=torch.int32))
+    again = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    assert again is held and planner.plans.revivals == 1
+    assert held.tables.rows.q_pos.tolist() == [7, 8, 38, 39, 75, 76], "refreshed in place"
+
+
+def test_plans_nobody_holds_are_released() -> None:
+    step = _step()
+    planner = _planner(max_plans=2)
+    _three_lengths(planner, step)
+    gc.collect()
+    assert len(planner.plans.values()) == 2, "the evicted plan nobody held is gone"
+    planner.plan(step.block_table, step.seq_lens, decode_query_len=1)
+    assert planner.plans.misses == 4
+
+
+def test_default_plan_bound_covers_engine_capture_sizes() -> None:
+    """vLLM's default CUDA-graph capture list has 67 batch sizes (1, 2, 4, 8, 16, 24, ... 512)."""
+    sizes = [1, 2, 4] + list(range(8, 513, 8))
+    assert len(sizes) == 67
+    planner = _planner()
+    assert planner.plans.max_plans >= len(sizes)
+    table = torch.zeros((512, 4), dtype=torch.int32)
+    lens = torch.ones(512, dtype=torch.int32)
+    plans = [planner.plan(table[:b], lens[:b], decode_query_len=1) for b in sizes]
+    assert planner.plans.evictions == 0
+    assert all(planner.plan(table[:b], lens[:b], decode_query_len=1) is p for b, p in zip(sizes, plans))
+
+
+def test_run_refuses_a_plan_of_another_planner() -> None:
+    kw = _step().kwargs()
+    mine, theirs = _planner(), _planner()
+    plan = theirs.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    with pytest.raises(MSAInputError, match=r"^plan: expected a plan made by this planner, got a plan of another planner"):
+        mine.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)
+
+
+def test_clear_retires_held_plans() -> None:
+    kw = _step().kwargs()
+    planner = _planner()
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    planner.clear()
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    with pytest.raises(MSAInputError, match="retired by DecodePlanner.clear"):
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)
+    assert planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2) is not plan
+
+
+@pytest.mark.parametrize("value", ["16", 0, -3, 2.5, True])
+def test_max_plans_must_be_a_positive_int(value: object) -> None:
+    with pytest.raises(MSAInputError, match=r"^max_plans: expected an int >= 1"):
+        _planner(max_plans=value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_planner_device_defaults_to_what_the_machine_has() -> None:
+    assert msa.DecodePlanner(GEOMETRY, backend="reference").device == torch.device("cpu")
+    with pytest.raises(MSAInputError, match=r"^device: expected a device this machine has, got cuda \(no CUDA device"):
+        msa.DecodePlanner(GEOMETRY, device="cuda")
+    with pytest.raises(MSAInputError, match=r"^device: expected a torch.device or a name"):
+        msa.DecodePlanner(GEOMETRY, device="gpu0")
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_refresh_matches_torch(kernel: bool, gen: torch.Generator) -> None:
     if kernel and not INTERPRET:
@@ -93,9 +172,22 @@ def test_refresh_matches_torch(kernel: bool, gen: torch.Generator) -> None:
             rows.refresh(seq_lens, kernel=kernel)
             r = torch.arange(batch * length)
             assert torch.equal(rows.kv_lens, seq_lens[r // length])
-            assert torch.equal(rows.q_pos, seq_lens[r // length] - length + r % length)
+            position = (seq_lens[r // length].long() - length + r % length).clamp(min=-1)
+            assert torch.equal(rows.q_pos, position.int()), "q_pos = max(seq_lens[b] - L + i, -1)"
             assert torch.equal(rows.row_request, (r // length).int())
             assert {k: v.data_ptr() for k, v in rows.buffers().items()} == before
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_refresh_never_wraps_around(kernel: bool) -> None:
+    """Lengths near the int32 limits: positions are computed in int64 and rows that see
+    nothing get -1 (on the old code a length of -2**31 wrapped to a position of 2**31 - 2)."""
+    if kernel and not INTERPRET:
+        pytest.skip("the Triton refresh kernel runs on the CPU only under TRITON_INTERPRET=1")
+    low, high = -(2**31), 2**31 - 1
+    rows = RowMetadata(3, 2, "cpu")
+    rows.refresh(torch.tensor([low, high, 1], dtype=torch.int32), kernel=kernel)
+    assert rows.q_pos.tolist() == [-1, -1, high - 2, high - 1, -1, 0]
 
 
 def test_sparse_decode_is_the_planner_path(gen: torch.Generator) -> None:

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from msa.backends.base import Backend
+from msa.errors import MSAInputError
 from msa.planner import DecodePlanner
 from msa.platform import detect
 from msa.policy import default_policy
 from msa.problem import DecodeProblem
 from msa.registry import get_registry
 from msa.scales import Scale
-from msa.validation import check_decode_data, check_decode_inputs, validation_requested
+from msa.validation import check_decode_data, check_decode_inputs, check_flag, validation_requested
 
 __all__ = ["sparse_decode", "select_backend", "available_backends"]
 
 
 def available_backends() -> list[Backend]:
-    """Every registered backend, highest priority first."""
+    """Every registered backend that loads, highest priority first (a backend whose factory
+    fails is skipped; `msa backends` shows it with its error)."""
     return get_registry().backends()
 
 
@@ -32,6 +35,8 @@ def select_backend(problem: DecodeProblem, backend: str = "auto") -> Backend:
         MSAInputError: an unknown backend name.
         MSAUnsupportedError: the named backend (or, for "auto", every backend) cannot serve
             `problem`; the message lists each refusal's reasons.
+        MSAPluginError: the named backend's plugin failed (with its source and error), or, for
+            "auto", a plugin named in `MSA_PLUGINS` failed.
     """
     chosen, _ = default_policy().select(problem, detect(problem.device_type), backend)
     return chosen
@@ -92,7 +97,13 @@ def sparse_decode(
 
     Returns:
         `out`, or `(out, lse)` when `return_lse` (or `lse=`) is given.
+
+    Thread safety: calls from any number of threads, and on any number of CUDA streams, are
+    independent: each (thread, stream) pair plans with its own buffers.
     """
+    check_flag("validate", validate)
+    if not isinstance(backend, str):
+        raise MSAInputError("backend", "'auto' or a backend name (a str)", repr(backend))
     problem, inputs = check_decode_inputs(
         q,
         kv_cache,
@@ -112,46 +123,56 @@ def sparse_decode(
     )
     if validation_requested(validate):
         check_decode_data(problem, inputs)
-    planner = _one_shot_planner(problem, inputs.layout.name, backend, q.device)
-    plan = planner.plan(
-        inputs.block_table,
-        inputs.seq_lens,
-        decode_query_len=decode_query_len,
-        query_start_loc=inputs.query_start_loc,
-        num_rows=problem.num_rows if problem.ragged else None,
-    )
+    device = inputs.q.device
+    planner = _one_shot_planner(problem, inputs.layout.name, backend, device)
     g = problem.geometry
     out_t = inputs.out
     if out_t is None:
-        out_t = torch.empty((problem.num_rows, g.num_q_heads, g.head_dim), dtype=problem.out_dtype, device=q.device)
+        out_t = torch.empty((problem.num_rows, g.num_q_heads, g.head_dim), dtype=problem.out_dtype, device=device)
     lse_t = inputs.lse
     if lse_t is None and problem.return_lse:
-        lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=q.device)
-    planner.run(
-        plan, q, kv_cache, topk_indices, out=out_t, lse=lse_t, sm_scale=inputs.sm_scale,
-        q_scale=inputs.q_scale, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
-    )
+        lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=device)
+    with planner._exclusive():  # never contended: the planner belongs to this thread and stream
+        plan = planner._plan(
+            inputs.block_table, inputs.seq_lens, decode_query_len, inputs.query_start_loc,
+            problem.num_rows if problem.ragged else None,
+        )
+        plan.backend.run(plan.backend_plan, inputs, out_t, lse_t)
     if lse_t is not None:
         return out_t, lse_t
     return out_t
 
 
-_PLANNERS: OrderedDict[tuple[Any, ...], DecodePlanner] = OrderedDict()
+#: Planners of the one-shot path, per thread (thread-local) and per CUDA stream: a plan's
+#: buffers are refreshed by one call and read by its kernels, so two calls may share them only
+#: when their work is ordered — same thread, same stream.
+_LOCAL = threading.local()
 _MAX_PLANNERS = 16
 
 
+def _stream_key(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device: torch.device) -> DecodePlanner:
-    """The planner `sparse_decode` shares between calls of the same configuration (bounded)."""
-    env = os.environ.get("MSA_BACKEND", "")
-    key = (problem.geometry, layout, backend, env, str(device), problem.q_dtype, problem.return_lse, id(get_registry()))
-    planner = _PLANNERS.get(key)
+    """This thread's planner for this configuration and stream (bounded, least recently used
+    dropped)."""
+    planners: OrderedDict[tuple[Any, ...], DecodePlanner] | None = getattr(_LOCAL, "planners", None)
+    if planners is None:
+        planners = _LOCAL.planners = OrderedDict()
+    registry = get_registry()
+    key = (
+        problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(device),
+        problem.q_dtype, problem.return_lse, registry,
+    )
+    planner = planners.get(key)
     if planner is None:
         planner = DecodePlanner(
             problem.geometry, kv_cache_dtype=layout, backend=backend, device=device,
             q_dtype=problem.q_dtype, with_lse=problem.return_lse,
         )
-        _PLANNERS[key] = planner
-        while len(_PLANNERS) > _MAX_PLANNERS:
-            _PLANNERS.popitem(last=False)
-    _PLANNERS.move_to_end(key)
+        planners[key] = planner
+        while len(planners) > _MAX_PLANNERS:
+            planners.popitem(last=False)
+    planners.move_to_end(key)
     return planner

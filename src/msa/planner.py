@@ -12,10 +12,26 @@ object, whose buffers keep their addresses; only their contents are refreshed, o
 from `seq_lens`. So a graph captured once per batch size replays correctly while `seq_lens`,
 `block_table`, `topk_indices`, `q` and the cache change in place. Requests padded with
 `seq_lens = 0` (a graph captured for a larger batch) produce zeros and an LSE of -inf.
+
+What a planner guarantees (and enforces):
+
+- A plan you hold is never silently left behind: while you keep a reference to it (as an
+  engine does for the plan a captured graph reads), `plan()` for its shape returns that same
+  object, whatever `max_plans` says; only plans nobody holds are released.
+- `run()` takes only plans made by this planner (`MSAInputError` otherwise), and refuses plans
+  retired by `clear()`.
+- A planner serves one sequence of steps: `plan()` then `run()` from one thread, on one CUDA
+  stream (or with the streams synchronised). It is not thread-safe: two threads using it at
+  once, or a `run()` of a plan last refreshed by another thread (whose tables describe that
+  thread's step), raise `MSAInputError`. Use one planner per thread (`msa.sparse_decode` does,
+  per thread and stream).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -25,7 +41,7 @@ from msa.backends.base import Backend
 from msa.errors import MSAInputError
 from msa.layouts import get_layout
 from msa.planning import PlanCache, StepTables
-from msa.platform import Platform, detect
+from msa.platform import Platform, detect, resolve_device
 from msa.policy import SelectionPolicy, default_policy
 from msa.problem import DecodeProblem, Geometry
 from msa.scales import Scale
@@ -33,6 +49,7 @@ from msa.validation import (
     Q_DTYPES,
     check_decode_data,
     check_decode_inputs,
+    check_flag,
     check_int32,
     check_tensor,
     output_dtype,
@@ -58,6 +75,13 @@ class PlanKey:
     ragged: bool = False
     num_rows: int = 0
 
+    def describe(self) -> str:
+        ragged = f", ragged {self.num_rows} rows" if self.ragged else ""
+        return (
+            f"B={self.batch_size}, L={self.query_len}{ragged}, {self.geometry.describe()}, "
+            f"{self.kv_layout}, backend {self.backend}"
+        )
+
 
 @attrs.define(eq=False)
 class DecodePlan:
@@ -77,6 +101,9 @@ class DecodePlan:
     problem: DecodeProblem
     tables: StepTables
     backend_plan: Any
+    owner: object = attrs.field(repr=False)
+    retired: bool = False
+    thread: int = 0
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The device buffers whose addresses a captured graph depends on."""
@@ -122,10 +149,14 @@ class DecodePlanner:
         device: the device of the caches and tables.
         q_dtype: the dtype of `q` (some backends take fp8 queries only).
         with_lse: runs will ask for the log-sum-exp (some backends cannot return it).
-        max_plans: plans kept (least recently used dropped; a plan the caller still holds stays
-            valid, its buffers alive).
+        max_plans: plans the planner itself keeps (least recently used released first). The
+            default covers the batch sizes serving engines capture graphs for (vLLM's default
+            list has 67); a released plan you still hold is found again, never replaced.
         platform: the machine to select for (default: `detect(device)`); tests pass pretend ones.
         policy: the selection policy (default: the process-wide one).
+
+    Raises:
+        MSAInputError: a bad argument, or a CUDA device on a machine without one.
     """
 
     def __init__(
@@ -134,10 +165,10 @@ class DecodePlanner:
         *,
         kv_cache_dtype: str = "auto",
         backend: str = "auto",
-        device: torch.device | str = "cuda",
+        device: torch.device | str | None = None,
         q_dtype: torch.dtype = torch.bfloat16,
         with_lse: bool = False,
-        max_plans: int = 16,
+        max_plans: int = 128,
         platform: Platform | None = None,
         policy: SelectionPolicy | None = None,
     ) -> None:
@@ -145,13 +176,14 @@ class DecodePlanner:
             raise MSAInputError("geometry", "an msa.Geometry", type(geometry).__name__)
         if q_dtype not in Q_DTYPES:
             raise MSAInputError("q_dtype", "bfloat16, float16 or float8_e4m3fn", q_dtype)
+        check_flag("with_lse", with_lse)
+        if not isinstance(backend, str):
+            raise MSAInputError("backend", "'auto' or a backend name (a str)", repr(backend))
         self.geometry = geometry
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = get_layout(kv_cache_dtype)
         self.backend_name = backend
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.q_dtype = q_dtype
         self.with_lse = with_lse
         self.platform = platform if platform is not None else detect(self.device)
@@ -159,6 +191,8 @@ class DecodePlanner:
         self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
         self.kv_layout = "bfloat16" if self.layout.name == "auto" else self.layout.name
         self._chosen: dict[tuple[int, int, int, int | None], str] = {}
+        self._token = object()  # marks the plans this planner made
+        self._busy = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -212,8 +246,21 @@ class DecodePlanner:
             num_rows: the rows of `q` for a ragged step.
         """
         table, lens = _check_tables(block_table, seq_lens, self.device, decode_query_len)
+        ragged_rows = _check_ragged(query_start_loc, num_rows, lens.shape[0], self.device)
+        with self._exclusive():
+            return self._plan(table, lens, decode_query_len, query_start_loc, ragged_rows, seq_lens_cpu)
+
+    def _plan(
+        self,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        decode_query_len: int,
+        query_start_loc: torch.Tensor | None,
+        ragged_rows: int | None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> DecodePlan:
+        """`plan()` on checked tables (the one-shot path checks them once, beforehand)."""
         batch, stride = lens.shape[0], table.stride(0)
-        ragged_rows = _check_ragged(query_start_loc, num_rows, batch, self.device)
         policy = self.policy if self.policy is not None else default_policy()
         shape = (batch, decode_query_len, stride, ragged_rows)
         name = self._chosen.get(shape)
@@ -237,18 +284,22 @@ class DecodePlanner:
             num_rows=ragged_rows if ragged_rows is not None else batch * decode_query_len,
         )
 
+        created = False
+
         def create() -> DecodePlan:
+            nonlocal created
+            created = True
             problem = self._problem(batch, decode_query_len, table, ragged_rows)
             backend = policy.registry.get(name)
             tables = StepTables.build(
                 table, lens, decode_query_len=decode_query_len, seq_lens_cpu=seq_lens_cpu,
                 query_start_loc=query_start_loc, num_rows=ragged_rows,
             )
-            return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables))
+            return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables), self._token)
 
-        cached = key in self.plans
         plan = self.plans.get_or_create(key, create)
-        if cached:
+        plan.thread = threading.get_ident()
+        if not created:  # a cached plan, or a released one still held: refresh it in place
             tables = plan.tables
             tables.block_table, tables.seq_lens, tables.seq_lens_cpu = table, lens, seq_lens_cpu
             tables.query_start_loc = query_start_loc
@@ -284,8 +335,8 @@ class DecodePlanner:
                 that cannot return it).
             sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
         """
-        if not isinstance(plan, DecodePlan):
-            raise MSAInputError("plan", "a DecodePlan from DecodePlanner.plan", type(plan).__name__)
+        self._check_plan(plan)
+        check_flag("validate", validate)
         tables = plan.tables
         problem, inputs = check_decode_inputs(
             q,
@@ -319,4 +370,46 @@ class DecodePlanner:
         if validation_requested(validate):
             check_decode_data(problem, inputs)
         assert inputs.out is not None
-        plan.backend.run(plan.backend_plan, inputs, inputs.out, inputs.lse)
+        with self._exclusive():
+            plan.backend.run(plan.backend_plan, inputs, inputs.out, inputs.lse)
+
+    def _check_plan(self, plan: object) -> None:
+        if not isinstance(plan, DecodePlan):
+            raise MSAInputError("plan", "a DecodePlan from DecodePlanner.plan", type(plan).__name__)
+        if plan.owner is not self._token:
+            raise MSAInputError(
+                "plan", "a plan made by this planner", f"a plan of another planner ({plan.key.describe()})",
+                "Run each plan with the planner that made it.",
+            )
+        if plan.retired:
+            raise MSAInputError(
+                "plan", "a live plan", "a plan retired by DecodePlanner.clear()",
+                "Call plan() again and capture new graphs with the plan it returns.",
+            )
+        if plan.thread != threading.get_ident():
+            raise MSAInputError(
+                "plan", "a plan refreshed by this thread's last plan() call",
+                "a plan last refreshed by another thread (its tables describe that thread's step)",
+                "A DecodePlanner serves one thread: create one per thread.",
+            )
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Refuse concurrent use from two threads (a planner is not thread-safe)."""
+        if not self._busy.acquire(blocking=False):
+            raise MSAInputError(
+                "DecodePlanner", "use from one thread at a time", "a call while another thread is using it",
+                "A DecodePlanner serves one thread: create one per thread (msa.sparse_decode does).",
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def clear(self) -> None:
+        """Forget every plan and retire those still held: `run()` of a retired plan raises (a
+        graph captured with it must be captured again with a new plan)."""
+        with self._exclusive():
+            for plan in self.plans.clear():
+                plan.retired = True
+            self._chosen.clear()

@@ -10,7 +10,9 @@ import os
 import attrs
 import torch
 
-__all__ = ["Platform", "detect", "triton_available", "OPTIONAL_PACKAGES"]
+from msa.errors import MSAInputError
+
+__all__ = ["Platform", "detect", "triton_available", "resolve_device", "OPTIONAL_PACKAGES"]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
 OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer")
@@ -100,3 +102,26 @@ def detect(device: torch.device | str | None = None) -> Platform:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     return _detect(dev.type, dev.index)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """`device` as a `torch.device` with an index for CUDA; None means the current CUDA device
+    where there is one, else the CPU.
+
+    Raises:
+        MSAInputError: not a device, or a CUDA device on a machine without one.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise MSAInputError("device", "a torch.device or a name such as 'cuda' or 'cpu'", repr(device)) from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MSAInputError("device", "a device this machine has", f"{dev} (no CUDA device is available)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise MSAInputError("device", f"a CUDA index < {torch.cuda.device_count()}", dev)
+    return dev

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
@@ -17,12 +18,18 @@ Scale = Union[float, torch.Tensor]
 def check_scale(argument: str, value: object, device: torch.device) -> Scale:
     """Validate a scale argument and return it unchanged (ints become floats).
 
+    A python float must be finite and > 0 (checked here); a tensor's value is read only by the
+    deep checks (`validate=True`), which never run inside graph capture.
+
     Raises:
-        MSAInputError: not a number, not a one-element fp32 tensor, or on another device.
+        MSAInputError: not a finite positive number, not a one-element fp32 tensor, or on
+            another device.
     """
     if isinstance(value, bool):
         raise MSAInputError(argument, "a float or a one-element fp32 tensor", repr(value))
     if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise MSAInputError(argument, "a finite scale > 0", repr(value))
         return float(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype != torch.float32:

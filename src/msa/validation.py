@@ -8,6 +8,7 @@ report the first offending row.
 
 from __future__ import annotations
 
+import math
 import os
 
 import attrs
@@ -15,9 +16,9 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts import KVLayout, layout_for_cache
-from msa.semantics import row_positions
 from msa.problem import DecodeProblem, Geometry
 from msa.scales import Scale, check_scale
+from msa.semantics import row_positions
 
 __all__ = [
     "DecodeInputs",
@@ -28,6 +29,7 @@ __all__ = [
     "validation_requested",
     "check_tensor",
     "check_int32",
+    "check_flag",
 ]
 
 #: dtypes accepted for `q`.
@@ -88,6 +90,38 @@ def check_tensor(
     return value
 
 
+def check_flag(argument: str, value: object) -> None:
+    """A real bool (a string such as "yes" is a mistake, not a truthy value)."""
+    if not isinstance(value, bool):
+        raise MSAInputError(argument, "True or False", repr(value))
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last element `t` addresses."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+
+
+def _check_no_self_overlap(argument: str, t: torch.Tensor) -> None:
+    """No two elements of `t` share memory (a view with stride 0, or rows that overlap, would
+    make the kernel's writes race)."""
+    covered = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= covered:
+            raise MSAInputError(
+                argument, "a tensor whose elements do not overlap in memory", f"strides {t.stride()} for shape {tuple(t.shape)}"
+            )
+        covered += stride * (size - 1)
+
+
+def _check_disjoint(argument: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    if t.numel() == 0 or other.numel() == 0:
+        return
+    a0, b0 = t.data_ptr(), other.data_ptr()
+    a1, b1 = a0 + _span(t) * t.element_size(), b0 + _span(other) * other.element_size()
+    if a0 < b1 and b0 < a1:
+        raise MSAInputError(argument, f"memory that does not overlap {other_name}", "an overlapping tensor")
+
+
 def check_int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:
     """An int32 tensor of `dim` dimensions, or an `MSAInputError` naming `argument`."""
     if value.dtype != torch.int32 or value.dim() != dim:
@@ -119,6 +153,7 @@ def _check_output(
         )
     if t.stride(-1) != 1:
         raise MSAInputError(argument, "unit stride in the last dimension", f"strides {t.stride()}")
+    _check_no_self_overlap(argument, t)
     return t
 
 
@@ -154,6 +189,9 @@ def check_decode_inputs(
     cache = check_tensor("kv_cache", kv_cache, device)
     layout = layout_for_cache(cache, kv_cache_dtype)
     shape = layout.inspect(cache)
+    if shape.num_pages < 1:
+        raise MSAInputError("kv_cache", "at least one page", f"shape {tuple(cache.shape)}")
+    check_flag("return_lse", return_lse)
     rows, num_q_heads, head_dim = q_t.shape
     if head_dim != shape.head_dim:
         raise MSAInputError(
@@ -218,6 +256,10 @@ def check_decode_inputs(
     out_dtype = output_dtype(q_t.dtype)
     out_t = _check_output("out", out, (rows, num_q_heads, head_dim), out_dtype, device)
     lse_t = _check_output("lse", lse, (rows, num_q_heads), torch.float32, device)
+    if out_t is not None:
+        _check_disjoint("out", out_t, "q", q_t)
+        if lse_t is not None:
+            _check_disjoint("lse", lse_t, "out", out_t)
 
     geometry = Geometry(
         num_q_heads=num_q_heads,
@@ -268,7 +310,8 @@ def _first_row(mask: torch.Tensor) -> tuple[int, ...] | None:
 def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
     """The deep checks (SPEC §6), reading device data. Reports the first offending row.
 
-    Checks, in order: `seq_lens` non-negative and within the block table; every `topk_indices`
+    Checks, in order: tensor scales finite and > 0; `query_start_loc` well formed; `seq_lens`
+    non-negative and within the block table; every `topk_indices`
     entry is -1 or in `[0, max_blocks)`; no id repeated within one list; every selected visible
     block maps to a page in `[0, num_pages)`.
 
@@ -276,6 +319,12 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
         MSAInputError: naming the argument, the rule and the first offending row.
     """
     p, length = problem.geometry.page_size, problem.query_len
+    for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
+        value = getattr(inputs, name)
+        if isinstance(value, torch.Tensor):
+            x = float(value)
+            if not math.isfinite(x) or x <= 0:
+                raise MSAInputError(name, "a finite scale > 0", f"a tensor holding {x}")
     lens = inputs.seq_lens.long()
     if inputs.query_start_loc is not None:
         starts = inputs.query_start_loc.tolist()
