@@ -241,3 +241,51 @@ def test_triton_writer_equals_torch_writer_on_gpu(name: str, gen: torch.Generato
     a, b, _, _ = _writer_pair(name, "cuda", gen)
     differing = int((a != b).sum())
     assert differing == 0, f"{differing} bytes differ"
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("slots", ["all padding", "no tokens"])
+def test_writers_take_steps_that_write_nothing(kernel: bool, slots: str) -> None:
+    """Every slot -1 (a padded step) or no tokens at all: nothing is stored, nothing crashes."""
+    import os
+
+    if kernel and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        pytest.skip("the Triton writer runs on the CPU only under TRITON_INTERPRET=1")
+    n = 5 if slots == "all padding" else 0
+    key = torch.randn((n, 2, 64)).bfloat16()
+    mapping = torch.full((n,), -1, dtype=torch.long)
+    for name in ("bfloat16", "fp8", "nvfp4"):
+        layout = get_layout(name)
+        cache = layout.allocate(3, 2, 16, 64)
+        k_scale, v_scale = layout.write(cache, key, key, mapping, kernel=kernel)
+        assert (cache.view(torch.uint8) == 0).all() and float(k_scale) == 1.0 and float(v_scale) == 1.0
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_nvfp4_writer_with_non_finite_inputs(kernel: bool, gen: torch.Generator) -> None:
+    """One Inf or NaN must not poison the write: the default global scale comes from the finite
+    values, +-Inf saturates at the block's largest value, NaN is stored as 0; other blocks are
+    stored exactly as without them."""
+    import os
+
+    if kernel and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        pytest.skip("the Triton writer runs on the CPU only under TRITON_INTERPRET=1")
+    key = torch.randn((4, 1, 64), generator=gen).bfloat16()
+    clean = NVFP4.allocate(1, 1, 16, 64)
+    ks_clean, _ = NVFP4.write(clean, key, key, torch.arange(4), kernel=kernel)
+    bad = key.clone()
+    bad[0, 0, 0] = float("inf")
+    bad[1, 0, 17] = float("-inf")
+    bad[2, 0, 33] = float("nan")
+    cache = NVFP4.allocate(1, 1, 16, 64)
+    k_scale, v_scale = NVFP4.write(cache, bad, key, torch.arange(4), kernel=kernel)
+    assert torch.isfinite(k_scale).all() and torch.equal(k_scale, ks_clean), "global scale from finite values"
+    k, _ = NVFP4.dequantize(cache, k_scale=k_scale, v_scale=v_scale)
+    ref, _ = NVFP4.dequantize(clean, k_scale=ks_clean, v_scale=ks_clean)
+    assert torch.isfinite(k).all()
+    top = 6.0 * 448.0 * float(k_scale)
+    assert k[0, 0, 0, 0] == pytest.approx(top, rel=1e-6) and k[0, 0, 1, 17] == pytest.approx(-top, rel=1e-6)
+    assert k[0, 0, 2, 33] == 0
+    untouched = torch.ones_like(k, dtype=torch.bool)
+    untouched[0, 0, 0, 0:16] = untouched[0, 0, 1, 16:32] = untouched[0, 0, 2, 32:48] = False
+    assert torch.equal(k[untouched], ref[untouched]), "the other blocks are stored as without them"

@@ -168,3 +168,19 @@ def test_triton_edge_cases_on_gpu(case: Case, splits: int, gen: torch.Generator)
     built = build(case, gen)
     out, lse = run_triton(built.kwargs, TritonBackend(num_splits=splits), device="cuda")
     assert_matches_reference(built.kwargs, out, lse, rtol=2**-6, atol=3e-3)
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("splits, dedup", [(1, False), (3, False), (1, True), (3, True)])
+def test_triton_without_lse(layout: str, splits: int, dedup: bool, gen: torch.Generator) -> None:
+    """WRITE_LSE=False (the serving default) on every kernel path: the output alone, checked."""
+    built = build(Case(layout=layout, batch=3, query_len=3, topk=3, max_blocks=5), gen)
+    kw = built.kwargs
+    problem, inputs = check_decode_inputs(**kw)
+    out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16)
+    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len)
+    backend = TritonBackend(num_splits=splits, dedup=dedup)
+    backend.run(backend.plan(problem, tables), inputs, out, None)
+    ref_out = msa.sparse_decode(**kw, backend="reference")
+    assert not torch.isnan(out).any(), "unwritten (poisoned) elements"
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=2e-4)

@@ -86,10 +86,38 @@ def test_errors_are_msa_and_value_errors() -> None:
         (dict(out=torch.zeros(B * L, HQ, D + 1).bfloat16()), r"^out: expected a torch.bfloat16 tensor of shape \(4, 8, 64\)"),
         (dict(out=torch.zeros(B * L, D, HQ).bfloat16().transpose(1, 2)), r"^out: expected unit stride in the last dimension"),
         (dict(lse=torch.zeros(B * L, HQ).bfloat16()), r"^lse: expected a torch.float32 tensor of shape \(4, 8\), got torch.bfloat16"),
+        # hostile values the cheap checks catch (issue: trust under hostile input)
+        (dict(sm_scale=float("nan")), r"^sm_scale: expected a finite scale > 0, got nan"),
+        (dict(k_scale=float("inf")), r"^k_scale: expected a finite scale > 0, got inf"),
+        (dict(v_scale=-0.5), r"^v_scale: expected a finite scale > 0, got -0.5"),
+        (dict(q_scale=0), r"^q_scale: expected a finite scale > 0, got 0"),
+        (dict(return_lse="yes"), r"^return_lse: expected True or False, got 'yes'"),
+        (dict(validate=1), r"^validate: expected True or False, got 1"),
+        (dict(backend=None), r"^backend: expected 'auto' or a backend name \(a str\), got None"),
+        (dict(out=torch.zeros(HQ, D).bfloat16().expand(B * L, HQ, D)), r"^out: expected a tensor whose elements do not overlap in memory"),
+        (dict(out=torch.zeros(B * L * D + HQ).bfloat16().as_strided((B * L, HQ, D), (D, 1, 1))), r"^out: expected a tensor whose elements do not overlap"),
+        (dict(lse=torch.zeros(HQ).expand(B * L, HQ)), r"^lse: expected a tensor whose elements do not overlap in memory"),
+        (dict(kv_cache=torch.zeros(0, HKV, P, 2 * D).bfloat16()), r"^kv_cache: expected at least one page, got shape \(0, 2, 16, 128\)"),
     ],
 )
 def test_cheap_checks(changes: dict[str, Any], match: str) -> None:
     fails(match, **changes)
+
+
+def test_out_must_not_overlap_q_or_lse() -> None:
+    kw = good()
+    with pytest.raises(MSAInputError, match=r"^out: expected memory that does not overlap q"):
+        msa.sparse_decode(**kw, out=kw["q"])
+    buf = torch.zeros(B * L * HQ * D).bfloat16()
+    lse_view = buf.view(torch.float32)[: B * L * HQ].view(B * L, HQ)
+    with pytest.raises(MSAInputError, match=r"^lse: expected memory that does not overlap out"):
+        msa.sparse_decode(**kw, out=buf.view(B * L, HQ, D), lse=lse_view)
+
+
+def test_deep_checks_read_tensor_scales() -> None:
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0, got a tensor holding"):
+            msa.sparse_decode(**good(k_scale=torch.tensor([bad])), validate=True)
 
 
 def test_fp8_queries_need_bf16_out() -> None:

@@ -161,6 +161,13 @@ class KVLayout(abc.ABC):
         Returns:
             `(k_scale, v_scale)`: the scales used, as one-element fp32 tensors on the cache's
             device — what `dequantize` and `msa.sparse_decode` need.
+
+        Non-finite inputs (checking them would cost a host synchronisation per write): the split
+        layouts store what they are given (FP8 saturates +-Inf at +-448, NaN stays NaN, and only
+        the rows that attend that token see it). NVFP4 computes its default global scale from
+        the finite values, saturates +-Inf at the block's largest code (6 x block scale, the
+        block scale at 448) and stores NaN as 0 (E2M1 has no NaN), so one bad value cannot
+        poison the rest of the write.
         """
         shape = self.inspect(cache)
         slots = _check_write_inputs(cache, shape, key, value, slot_mapping, validate)

@@ -60,7 +60,7 @@ def nvfp4_write_kernel(
         g_scale = tl.where(side == 0, tl.load(k_scale_ptr), tl.load(v_scale_ptr))
         x = tl.load(src + tl.arange(0, HEAD_DIM)).to(tl.float32)
         blocks = tl.reshape(x, (GROUPS, 16))
-        amax = tl.max(tl.abs(blocks), axis=1)
+        amax = tl.max(tl.where(blocks == blocks, tl.abs(blocks), 0.0), axis=1)  # NaN sets no scale
         scale = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g_scale), 448.0).to(tl.float8e4nv)
         step = scale.to(tl.float32) * g_scale
         ratio = tl.where(step[:, None] > 0, tl.math.div_rn(blocks, tl.where(step[:, None] > 0, step[:, None], 1.0)), 0.0)

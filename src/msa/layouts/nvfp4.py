@@ -84,10 +84,13 @@ def quantize_blocks(
     Returns:
         `(packed, scales)`: uint8 `[..., D/2]` (element 2d low nibble, 2d+1 high nibble) and
         uint8 `[..., D/16]` E4M3 block-scale bytes.
+
+    Non-finite values: +-Inf saturate (the block scale to 448, the code to +-6); NaN is stored
+    as 0 and does not enter its block's scale (E2M1 has no NaN).
     """
     g = global_scale.reshape(()).float()
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)  # [..., D/16, 16]
-    amax = blocks.abs().amax(dim=-1)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)  # [..., D/16, 16]
+    amax = blocks.abs().nan_to_num(nan=0.0).amax(dim=-1)  # NaN stores 0 and sets no scale
     scale = (amax / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = scale.float().unsqueeze(-1) * g  # [..., D/16, 1]
     ratio = torch.where(step > 0, blocks / step, torch.zeros_like(blocks))
@@ -156,7 +159,9 @@ class NVFP4HeadSlotLayout(KVLayout):
             return super()._resolve_scale(argument, scale, device, data, keep)
         if data.numel() == 0:
             return torch.ones(1, dtype=torch.float32, device=device)
-        amax = torch.where(keep, data.abs(), 0).amax().float()  # no host synchronisation
+        # the finite values written now set the global scale (one Inf must not make it Inf and
+        # every code NaN); no host synchronisation
+        amax = torch.where(keep & data.isfinite(), data.abs(), 0).amax().float()
         return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax)).reshape(1)
 
     def _store_kernel(
