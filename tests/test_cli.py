@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -43,3 +44,57 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_python_dash_m() -> None:
     result = subprocess.run([sys.executable, "-m", "msa", "layouts"], capture_output=True, text=True)
     assert result.returncode == 0 and "fp8_e4m3" in result.stdout
+
+
+#: Pretend machines: (id, flags, TRITON_INTERPRET).
+MACHINES = [
+    ("cpu", ["--cpu"], "0"),
+    ("cpu interpret", ["--cpu"], "1"),
+    ("sm75", ["--capability", "7.5"], "0"),
+    ("sm80", ["--capability", "8.0"], "0"),
+    ("sm90", ["--capability", "9.0"], "0"),
+    ("sm100", ["--capability", "10.0"], "0"),
+    ("sm100 without libraries", ["--capability", "10.0", "--packages", "triton"], "0"),
+]
+#: `msa explain` flags for a step each built-in backend supports (only the machine can refuse).
+FRIENDLY = {
+    "cutlass_sm100": ["--kv-dtype", "nvfp4", "--q-dtype", "fp8"],
+    "flashinfer": ["--kv-dtype", "fp8", "--q-dtype", "fp8"],
+    "triton": ["--kv-dtype", "fp8"],
+    "reference": [],
+}
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """`msa backends`' rows by backend name: the cells, split on runs of 2+ spaces."""
+    rows = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0].split(" ")[0]] = cells
+    return rows
+
+
+def verdict_line(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+
+
+@pytest.mark.parametrize("machine, flags, interpret", MACHINES, ids=[m[0] for m in MACHINES])
+def test_backends_and_explain_agree(
+    machine: str, flags: list[str], interpret: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`msa backends` says "yes" exactly when `explain` lets `auto` take a step the backend
+    supports, "by name" when only a request qualifies it, and its notes are explain's reasons."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    assert main(["backends", *flags]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    for name, step in FRIENDLY.items():
+        runs_here, notes = rows[name][4], rows[name][5]
+        main(["explain", *flags, *step])
+        auto = verdict_line(capsys.readouterr().out, name)
+        main(["explain", *flags, *step, "--backend", name])
+        named = verdict_line(capsys.readouterr().out, name)
+        assert (runs_here == "yes") == (auto.split()[1] != "rejected"), (name, runs_here, auto)
+        assert (runs_here in ("yes", "by name")) == (named.split()[1] == "chosen"), (name, runs_here, named)
+        if runs_here != "yes":
+            assert auto.split(" rejected ", 1)[1].strip() == notes, (name, notes, auto)

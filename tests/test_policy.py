@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -189,3 +190,50 @@ def test_sparse_decode_honours_msa_backend(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("MSA_BACKEND", "flashinfer")
     with pytest.raises(MSAUnsupportedError, match=r"backend 'flashinfer' \(from MSA_BACKEND\) cannot run this step on cpu"):
         msa.sparse_decode(**step.kwargs())
+
+
+#: Pretend machines for the machine-level refusals: (id, platform).
+MACHINES: list[tuple[str, Platform]] = [
+    ("cpu", Platform("cpu", packages=frozenset(ALL))),
+    ("cpu interpret", Platform("cpu", packages=frozenset(ALL), triton_interpret=True)),
+    ("sm75", Platform.cuda((7, 5), packages=ALL)),
+    ("sm80", Platform.cuda((8, 0), packages=ALL)),
+    ("sm90", SM90),
+    ("sm100", SM100),
+    ("sm100 bare", Platform.cuda((10, 0), packages=())),
+]
+
+#: A step each built-in backend supports, so only the machine can refuse it.
+FRIENDLY = {
+    "cutlass_sm100": problem((64, 4), layout="nvfp4"),
+    "flashinfer": problem(),
+    "triton": problem(q=torch.bfloat16),
+    "reference": problem(q=torch.bfloat16, layout="bfloat16", lse=True),
+}
+
+
+@pytest.mark.parametrize("machine, platform", MACHINES, ids=[m[0] for m in MACHINES])
+@pytest.mark.parametrize("requested", [False, True])
+def test_machine_refusals_have_one_home(policy: SelectionPolicy, machine: str, platform: Platform, requested: bool) -> None:
+    """`platform_reasons` (what `msa backends` shows) are exactly the refusals of a step the
+    backend otherwise supports, and `not_supported_reasons` = platform + problem reasons."""
+    for name, step in FRIENDLY.items():
+        backend = policy.registry.get(name)
+        on_machine = backend.platform_reasons(platform, requested=requested)
+        assert backend.problem_reasons(step, platform, requested=requested) == [], (name, machine)
+        assert backend.not_supported_reasons(step, platform, requested=requested) == on_machine, (name, machine)
+        assert backend.not_supported_reasons(None, platform, requested=requested) == on_machine, (name, machine)
+
+
+def test_triton_machine_refusals() -> None:
+    triton = BackendRegistry(environ={}).get("triton")
+    cpu = Platform("cpu", packages=frozenset({"triton"}))
+    assert triton.platform_reasons(cpu) == ["runs on the CPU only under TRITON_INTERPRET=1"]
+    interpret = attrs.evolve(cpu, triton_interpret=True)
+    assert triton.platform_reasons(interpret, requested=True) == []
+    assert triton.platform_reasons(interpret) == [
+        "on the CPU it runs only through the Triton interpreter (slow): request it by name"
+    ]
+    sm75 = Platform.cuda((7, 5))
+    assert triton.platform_reasons(sm75, requested=True) == ["needs compute capability >= 8.0, this device is 7.5"]
+    assert triton.platform_reasons(Platform.cuda((8, 0))) == []

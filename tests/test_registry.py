@@ -134,16 +134,33 @@ def test_broken_plugin_is_reported_and_skipped(site: Path, caplog: pytest.LogCap
     assert re.search(r"brokenplug .* broken .*ModuleNotFoundError", out)
 
 
-def test_broken_plugin_named_in_msa_plugins_raises(site: Path) -> None:
+def test_broken_plugin_named_in_msa_plugins_blocks_auto(site: Path) -> None:
+    """Named in MSA_PLUGINS, a broken plugin is required: the registry records it (it no longer
+    raises at construction, so `msa backends` can show it) and `backend="auto"` refuses to run
+    without it; a backend requested by name still runs."""
     install(site, ("brokenplug",))
-    with pytest.raises(MSAPluginError, match="msa plugin 'brokenplug' .* failed to load: ModuleNotFoundError"):
-        BackendRegistry(environ={"MSA_PLUGINS": "brokenplug"})
+    registry = BackendRegistry(environ={"MSA_PLUGINS": "brokenplug"})
+    assert registry.failures["brokenplug"].required
+    reset_registry(registry)
+    from msa.workload import make_decode_step
+
+    step = make_decode_step(msa.Geometry(8, 2, 64, 16, 4), batch_size=2, context_len=100, seed=2)
+    with pytest.raises(MSAPluginError, match="msa plugin 'brokenplug' .* is named in MSA_PLUGINS but failed to load: ModuleNotFoundError") as info:
+        msa.sparse_decode(**step.kwargs())
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    msa.sparse_decode(**step.kwargs(), backend="reference")
 
 
 def test_duplicate_names_are_refused_naming_both_sources(site: Path) -> None:
+    """The built-in keeps its name; the clashing plugin is recorded as failed (not raised at
+    construction) and raises, naming both sources, when requested."""
     install(site, ("dupplug",))
-    with pytest.raises(MSAPluginError, match=r"two msa backends are named 'reference': one from msa \(built-in\), one from dupplug 1.0 \(entry point dupplug = dupplug\)"):
-        BackendRegistry(environ={})
+    registry = BackendRegistry(environ={})
+    assert registry.record("reference").source == BUILTIN_SOURCE
+    message = r"two msa backends are named 'reference': one from msa \(built-in\), one from dupplug 1.0 \(entry point dupplug = dupplug\)"
+    assert re.search(message, registry.failures["dupplug"].error)
+    with pytest.raises(MSAPluginError, match=message):
+        registry.resolve("dupplug")
 
 
 def test_allowlist_and_disable(site: Path) -> None:
@@ -168,7 +185,7 @@ def test_hook_without_a_spec_is_caught_at_load(site: Path) -> None:
 def test_factory_must_build_a_backend(site: Path) -> None:
     install(site, ("badfactory",))
     registry = BackendRegistry(environ={})
-    with pytest.raises(MSAPluginError, match="the factory of backend 'badfactory' .* returned object, not an msa Backend"):
+    with pytest.raises(MSAPluginError, match="backend 'badfactory' .* failed to load: its factory returned object, not an msa Backend"):
         registry.get("badfactory")
 
 

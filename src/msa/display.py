@@ -13,10 +13,12 @@ T = TypeVar("T")
 
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """An aligned plain-text table; numbers right-aligned, text left-aligned."""
+    """An aligned plain-text table; numbers right-aligned (with "-" for a missing one), text
+    left-aligned."""
     body = [[_cell(v) for v in row] for row in rows]
-    numeric = [
-        all(_is_number(row[i]) for row in body if i < len(row)) and bool(body)
+    numeric = [  # "-" marks a missing number
+        any(_is_number(row[i]) for row in body if i < len(row))
+        and all(_is_number(row[i]) or row[i] == "-" for row in body if i < len(row))
         for i in range(len(headers))
     ]
     widths = [

@@ -17,7 +17,6 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-
 @attrs.frozen
 class BackendRecord:
     """One backend a plugin offers.
@@ -42,12 +41,32 @@ class BackendRecord:
 
 @attrs.frozen
 class PluginFailure:
-    """A plugin that could not be loaded: its entry-point name, source and error."""
+    """A plugin, or one backend of a plugin, that failed (see `msa.registry`).
+
+    Attributes:
+        name: the plugin's entry-point name, or the backend's name when its factory failed.
+        source: where it comes from (distribution and entry point; "not installed" for a name
+            in `MSA_PLUGINS` that no entry point provides).
+        error: what went wrong, one line (e.g. "ModuleNotFoundError: No module named 'x'").
+        exception: the original exception (chained by the `MSAPluginError` raised on request).
+        required: the plugin is named in `MSA_PLUGINS` (or registered in code):
+            `backend="auto"` refuses to run without it.
+        names: the other names that request it (the backend names and aliases it declared).
+    """
 
     name: str
     source: str
     error: str
     exception: BaseException = attrs.field(eq=False, repr=False)
+    required: bool = False
+    names: tuple[str, ...] = ()
+
+    def required_message(self) -> str:
+        """Why `backend="auto"` refuses to run while this required plugin is broken."""
+        return (
+            f"msa plugin {self.name!r} ({self.source}) is named in MSA_PLUGINS but failed to load: "
+            f"{self.error}. Fix it, request a backend by name, or remove it from MSA_PLUGINS."
+        )
 
 
 class MSAHookSpecs:

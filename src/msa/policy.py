@@ -4,10 +4,16 @@
 given) and the rules applied to each backend's declared capabilities. `backend="auto"` takes the
 first backend with no reasons; a named backend (or `MSA_BACKEND=name` in the environment) must
 qualify or the call raises with its reasons — never a silent fallback.
+
+A plugin's fault never breaks selection: a backend whose factory failed, or whose
+`not_supported_reasons` raised, gets a "failed ..." verdict and is skipped by `auto`; requested by
+name, it raises `MSAPluginError`. While a plugin named in `MSA_PLUGINS` is broken, `auto`
+refuses to run (`Selection.blocked`) rather than silently run without it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -15,22 +21,31 @@ import attrs
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import DEFAULT_RULES, Rule
-from msa.errors import MSAUnsupportedError
+from msa.errors import MSAPluginError, MSAUnsupportedError
+from msa.hooks import PluginFailure
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.registry import BackendRegistry, get_registry
 
 __all__ = ["Verdict", "Selection", "SelectionPolicy", "default_policy"]
 
+log = logging.getLogger("msa")
+
 
 @attrs.frozen
 class Verdict:
-    """One backend's answer for a step: its reasons for refusing (empty: it can run it)."""
+    """One backend's answer for a step: its reasons for refusing (empty: it can run it).
+
+    Attributes:
+        failure: set when the backend failed (its factory, or its `not_supported_reasons`
+            raised); `reasons` then holds one "failed ..." line.
+    """
 
     name: str
     reasons: tuple[str, ...]
     priority: int
     source: str
+    failure: PluginFailure | None = attrs.field(default=None, eq=False)
 
     @property
     def qualified(self) -> bool:
@@ -46,12 +61,15 @@ class Selection:
         chosen: the backend that runs the step, or None when none can.
         verdicts: every backend's verdict, in priority order.
         via_environment: the request came from `MSA_BACKEND`.
+        blocked: for "auto", a required plugin (named in `MSA_PLUGINS`) that failed: nothing
+            is chosen while it is broken.
     """
 
     requested: str
     chosen: str | None
     verdicts: tuple[Verdict, ...]
     via_environment: bool = False
+    blocked: PluginFailure | None = attrs.field(default=None, eq=False)
 
     @property
     def rejected(self) -> dict[str, list[str]]:
@@ -61,7 +79,9 @@ class Selection:
     def explain(self) -> str:
         """A readable account: the choice, then each backend's verdict."""
         how = f"{self.requested!r}" + (" (from MSA_BACKEND)" if self.via_environment else "")
-        if self.chosen:
+        if self.blocked is not None:
+            head = f"requested {how}: refused: {self.blocked.required_message()}"
+        elif self.chosen:
             head = f"requested {how}: runs on {self.chosen!r}"
         elif self.requested == "auto":
             head = f"requested {how}: no backend can run this step"
@@ -69,7 +89,9 @@ class Selection:
             head = f"requested {how}: it cannot run this step"
         lines = [head]
         for v in self.verdicts:
-            status = "chosen" if v.name == self.chosen else ("qualifies" if v.qualified else "rejected")
+            status = "chosen" if v.name == self.chosen else (
+                "qualifies" if v.qualified else "broken" if v.failure else "rejected"
+            )
             lines.append(f"  {v.name:<16} {status:<10} " + "; ".join(v.reasons))
         return "\n".join(line.rstrip() for line in lines)
 
@@ -101,37 +123,63 @@ class SelectionPolicy:
         """Backend names in the order `backend="auto"` tries them."""
         return list(self._order) if self._order is not None else self.registry.names()
 
+    def judge(
+        self, name: str, problem: DecodeProblem | None, platform: Platform, *, requested: bool = False
+    ) -> Verdict:
+        """Backend `name`'s verdict on `problem` (None: the machine alone) and `platform`.
+
+        Never raises for the backend's fault: a factory that failed, or a `not_supported_reasons`
+        that raised, gives a verdict with `failure` set and one "failed ..." reason.
+        """
+        record = self.registry.record(name)
+        try:
+            backend = self.registry.get(name)
+        except MSAPluginError:
+            if record.name not in self.registry.broken:
+                raise
+            failure = self.registry.broken[record.name]
+            return Verdict(record.name, (f"failed to load: {failure.error}",), record.priority, record.source, failure)
+        try:
+            reasons = backend.not_supported_reasons(problem, platform, requested=requested, rules=self.rules)
+        except Exception as exc:  # a plugin's bug must not break selection
+            error = f"its not_supported_reasons raised {type(exc).__name__}: {exc}"
+            log.warning("msa backend %r (%s) skipped: %s", record.name, record.source, error)
+            failure = PluginFailure(record.name, record.source, error, exc, self.registry.required(record.name))
+            return Verdict(record.name, (f"failed: {error}",), record.priority, record.source, failure)
+        return Verdict(record.name, tuple(reasons), record.priority, record.source)
+
     def evaluate(
         self, problem: DecodeProblem | None, platform: Platform, backend: str = "auto"
     ) -> Selection:
         """Every backend's verdict and the choice, without raising for a refusal.
 
         Raises:
-            MSAInputError / MSAPluginError: `backend` names no registered backend.
+            MSAInputError: `backend` names no registered backend.
+            MSAPluginError: `backend` names a plugin or backend that failed (with its source and
+                error, chaining the original exception).
         """
         env = os.environ if self.environ is None else self.environ
         via_env = False
         if backend == "auto" and env.get("MSA_BACKEND", "") not in ("", "auto"):
             backend, via_env = env["MSA_BACKEND"], True
         requested = None if backend == "auto" else self.registry.resolve(backend)
-        verdicts = []
-        for name in self.order():
-            record = self.registry.record(name)
-            reasons = self.registry.get(name).not_supported_reasons(
-                problem, platform, requested=name == requested, rules=self.rules
-            )
-            verdicts.append(Verdict(name, tuple(reasons), record.priority, record.source))
+        names = self.order()
+        if requested is not None and requested not in names:  # named but outside a custom order
+            names.append(requested)
+        verdicts = tuple(self.judge(n, problem, platform, requested=n == requested) for n in names)
+        blocked = None
         if requested is not None:
-            if requested not in self.order():  # named but outside a custom order: judge it too
-                record = self.registry.record(requested)
-                reasons = self.registry.get(requested).not_supported_reasons(
-                    problem, platform, requested=True, rules=self.rules
-                )
-                verdicts.append(Verdict(requested, tuple(reasons), record.priority, record.source))
-            chosen = next((v.name for v in verdicts if v.name == requested and v.qualified), None)
+            verdict = next(v for v in verdicts if v.name == requested)
+            if verdict.failure is not None:
+                raise MSAPluginError(
+                    f"backend {requested!r} ({verdict.source}) {verdict.reasons[0]}"
+                ) from verdict.failure.exception
+            chosen = requested if verdict.qualified else None
         else:
-            chosen = next((v.name for v in verdicts if v.qualified), None)
-        return Selection(backend, chosen, tuple(verdicts), via_env)
+            failed = [v.failure for v in verdicts if v.failure is not None and v.failure.required]
+            blocked = next(iter(self.registry.required_failures() + failed), None)
+            chosen = None if blocked else next((v.name for v in verdicts if v.qualified), None)
+        return Selection(backend, chosen, verdicts, via_env, blocked)
 
     def select(
         self, problem: DecodeProblem, platform: Platform, backend: str = "auto"
@@ -141,8 +189,12 @@ class SelectionPolicy:
         Raises:
             MSAUnsupportedError: the named backend — or for "auto", every backend — cannot run
                 the step; the message lists each one's reasons.
+            MSAPluginError: the named backend failed (see `evaluate`), or for "auto", a plugin
+                named in `MSA_PLUGINS` failed (`Selection.blocked`).
         """
         selection = self.evaluate(problem, platform, backend)
+        if selection.blocked is not None:
+            raise MSAPluginError(selection.blocked.required_message()) from selection.blocked.exception
         if selection.chosen is None:
             if selection.requested == "auto":
                 raise MSAUnsupportedError(

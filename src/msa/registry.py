@@ -1,8 +1,8 @@
 """The backend registry: pluggy hooks under the project name "msa".
 
 Every backend — built-in or third-party — arrives through the same hook, `msa_backends`, which
-returns `BackendRecord`s. Built-ins are registered first (the plugin `msa.backends.builtin`),
-then the plugins of the entry-point group `msa.backends`:
+returns `BackendRecord`s. Built-ins are registered first (the plugin module `msa.builtin`), then
+the plugins of the entry-point group `msa.backends`, in entry-point name order:
 
     # a third party's pyproject.toml
     [project.entry-points."msa.backends"]
@@ -15,8 +15,16 @@ then the plugins of the entry-point group `msa.backends`:
         return [msa.registry.BackendRecord(name="mykernel", factory=MyBackend, priority=150)]
 
 Environment: `MSA_PLUGINS=a,b` loads only those entry points; `MSA_DISABLE_PLUGINS=1` loads none.
-A plugin that fails to load is logged, listed by `msa backends` and skipped — unless it is
-requested (named in `MSA_PLUGINS`, or as `backend=`), which raises with its error.
+
+A faulty plugin never disables msa. A plugin that fails — at import, in its hook, by a name or
+alias that another backend already holds (the built-in, or the plugin registered first, keeps
+it), or later in its factory (raises, or returns something that is not a `Backend`) — is logged
+(logger "msa", warning), recorded (`failures`, `broken`), listed by `msa backends`, and skipped
+by `backend="auto"`. It raises `MSAPluginError` (with its source and error, chaining the original
+exception) only when requested: by name (`backend=` or `MSA_BACKEND`), or — for a plugin named in
+`MSA_PLUGINS`, which is *required* — by `backend="auto"`, which refuses to run without it. A name
+in `MSA_PLUGINS` that no entry point provides is such a required failure. The registry's
+constructor never raises for a plugin's fault; only msa's own built-in plugin failing does.
 """
 
 from __future__ import annotations
@@ -68,13 +76,19 @@ class BackendRegistry:
 
     Args:
         entry_points: the entry points to consider (default: the installed `msa.backends`
-            group).
+            group). They load in name order, so the first to claim a name keeps it.
         environ: where to read `MSA_PLUGINS` / `MSA_DISABLE_PLUGINS` (default: `os.environ`).
         plugins: extra plugin objects (modules or instances with hook implementations),
-            registered after the entry points, as `(name, plugin)`.
+            registered after the entry points, as `(name, plugin)`; they are required.
+
+    Attributes:
+        failures: plugins that failed to load, by entry-point name (their backends are absent).
+        broken: backends whose factory failed, by backend name (their records stay listed).
+        not_loaded: entry points left out by `MSA_PLUGINS` / `MSA_DISABLE_PLUGINS`.
 
     Raises:
-        MSAPluginError: two backends share a name; a plugin named in `MSA_PLUGINS` fails.
+        MSAPluginError: only when msa's own built-in plugin fails (a faulty third-party plugin
+            is recorded, never raised here).
     """
 
     def __init__(
@@ -88,18 +102,22 @@ class BackendRegistry:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(MSAHookSpecs)
         self.failures: dict[str, PluginFailure] = {}
+        self.broken: dict[str, PluginFailure] = {}
         self.not_loaded: list[str] = []
-        self._sources: dict[str, str] = {}
         self._records: dict[str, BackendRecord] = {}
         self._aliases: dict[str, str] = {}
         self._instances: dict[str, Backend] = {}
+        self._plugin_of: dict[str, str] = {}  # backend name -> the plugin that offered it
+        self._required: set[str] = set()  # plugins named in MSA_PLUGINS or registered in code
 
         from msa import builtin
 
-        self._register("msa.builtin", builtin, BUILTIN_SOURCE, required=True)
+        failure = self._register("msa.builtin", builtin, BUILTIN_SOURCE, required=False)
+        if failure is not None:  # msa itself is broken: nothing to fall back to
+            raise MSAPluginError(f"msa's built-in backends failed to load: {failure.error}") from failure.exception
         allow = {n.strip() for n in env.get("MSA_PLUGINS", "").split(",") if n.strip()}
         disabled = env.get("MSA_DISABLE_PLUGINS", "") not in ("", "0")
-        eps = _entry_points() if entry_points is None else list(entry_points)
+        eps = sorted(_entry_points() if entry_points is None else entry_points, key=lambda e: (e.name, e.value))
         for ep in eps:
             if disabled or (allow and ep.name not in allow):
                 self.not_loaded.append(ep.name)
@@ -111,75 +129,109 @@ class BackendRegistry:
                 self._fail(ep.name, source, exc, required=ep.name in allow)
                 continue
             self._register(ep.name, plugin, source, required=ep.name in allow)
+        if not disabled:
+            found = sorted({ep.name for ep in eps})
+            for name in sorted(allow - set(found)):
+                error = (
+                    f"no installed distribution has an entry point {name!r} in the group "
+                    f"{ENTRY_POINT_GROUP!r} (found: {', '.join(found) or 'none'})"
+                )
+                self._fail(name, "not installed", LookupError(error), required=True, error=error)
         for name, plugin in plugins:
             self._register(name, plugin, f"{name} (registered in code)", required=True)
 
     # -- loading ------------------------------------------------------------------------------
-    def _fail(self, name: str, source: str, exc: BaseException, *, required: bool) -> None:
-        error = f"{type(exc).__name__}: {exc}"
-        if required:
-            raise MSAPluginError(f"msa plugin {name!r} ({source}) failed to load: {error}") from exc
-        log.warning("msa plugin %r (%s) skipped: %s", name, source, error)
-        self.failures[name] = PluginFailure(name, source, error, exc)
+    def _fail(
+        self,
+        name: str,
+        source: str,
+        exc: BaseException,
+        *,
+        required: bool,
+        error: str | None = None,
+        names: tuple[str, ...] = (),
+    ) -> PluginFailure:
+        failure = PluginFailure(
+            name, source, error or f"{type(exc).__name__}: {exc}", exc, required=required, names=names
+        )
+        why = " (named in MSA_PLUGINS: backend='auto' refuses to run until it loads)" if required else ""
+        log.warning("msa plugin %r (%s) skipped: %s%s", name, source, failure.error, why)
+        self.failures[name] = failure
+        return failure
 
-    def _register(self, name: str, plugin: object, source: str, *, required: bool) -> None:
+    def _register(self, name: str, plugin: object, source: str, *, required: bool) -> PluginFailure | None:
+        """Register `plugin` and add its records, all or none; a failure is recorded, not raised."""
         try:
             self.manager.register(plugin, name=name)
             self.manager.check_pending()  # hook implementations without a spec (typos)
         except Exception as exc:
             if self.manager.is_registered(plugin):
                 self.manager.unregister(plugin)
-            self._fail(name, source, exc, required=required)
-            return
-        self._sources[name] = source
-        hook = self.manager.hook.msa_backends
-        for impl in hook.get_hookimpls():
+            return self._fail(name, source, exc, required=required)
+        records: list[BackendRecord] = []
+        for impl in self.manager.hook.msa_backends.get_hookimpls():
             if impl.plugin_name != name:
                 continue
             try:
                 returned: Any = impl.function()
-                records = list(returned)
-                for record in records:
+                for record in returned:
                     if not isinstance(record, BackendRecord):
                         raise TypeError(f"msa_backends returned {record!r}, not a BackendRecord")
+                    records.append(attrs.evolve(record, source=source))
             except Exception as exc:
                 self.manager.unregister(plugin)
-                self._fail(name, source, exc, required=required)
-                return
-            for record in records:
-                self._add(attrs.evolve(record, source=source))
+                return self._fail(name, source, exc, required=required)
+        clash = self._clash(records)
+        if clash is not None:
+            self.manager.unregister(plugin)
+            names = tuple(key for r in records for key in (r.name,) + r.aliases)
+            return self._fail(name, source, MSAPluginError(clash), required=required, error=clash, names=names)
+        if required:
+            self._required.add(name)
+        for record in records:
+            self._records[record.name] = record
+            self._plugin_of[record.name] = name
+            for key in (record.name,) + record.aliases:
+                self._aliases[key] = record.name
+        return None
 
-    def _add(self, record: BackendRecord) -> None:
-        for key in (record.name,) + record.aliases:
-            owner = self._aliases.get(key)
-            if owner is not None:
-                raise MSAPluginError(
-                    f"two msa backends are named {key!r}: one from {self._records[owner].source}, "
-                    f"one from {record.source}. Uninstall one, or limit plugins with MSA_PLUGINS."
-                )
-        self._records[record.name] = record
-        for key in (record.name,) + record.aliases:
-            self._aliases[key] = record.name
+    def _clash(self, records: Sequence[BackendRecord]) -> str | None:
+        """The error if one of `records` claims a name (or alias) already taken, else None."""
+        taken = {key: self._records[owner].source for key, owner in self._aliases.items()}
+        taken["auto"] = "msa (reserved: backend='auto' selects)"
+        for record in records:
+            for key in (record.name,) + record.aliases:
+                if key in taken:
+                    return (
+                        f"two msa backends are named {key!r}: one from {taken[key]}, one from "
+                        f"{record.source}. Uninstall one, or limit plugins with MSA_PLUGINS."
+                    )
+                taken[key] = record.source
+        return None
 
     # -- queries ------------------------------------------------------------------------------
     def records(self) -> list[BackendRecord]:
-        """Every record, highest priority first (ties by name)."""
+        """Every record, highest priority first (ties by name); broken ones included."""
         return sorted(self._records.values(), key=lambda r: (-r.priority, r.name))
 
     def names(self) -> list[str]:
+        """Every backend name, highest priority first; broken ones included (see `broken`)."""
         return [r.name for r in self.records()]
 
     def resolve(self, name: str) -> str:
         """The canonical backend name for `name` or one of its aliases.
 
         Raises:
-            MSAPluginError: `name` is a plugin that failed to load (with its error).
+            MSAPluginError: `name` is a plugin that failed to load, or a backend it declared
+                (with its source and error, chaining the original exception).
             MSAInputError: an unknown name.
         """
         if name in self._aliases:
             return self._aliases[name]
-        if name in self.failures:
-            failure = self.failures[name]
+        failure = self.failures.get(name) or next(
+            (f for f in self.failures.values() if name in f.names), None
+        )
+        if failure is not None:
             raise MSAPluginError(
                 f"backend {name!r} was requested but its plugin ({failure.source}) failed to load: "
                 f"{failure.error}"
@@ -192,21 +244,59 @@ class BackendRegistry:
         return self._records[self.resolve(name)]
 
     def get(self, name: str) -> Backend:
-        """The backend instance for `name` (built on first use)."""
+        """The backend instance for `name`, built by its factory on first use.
+
+        Raises:
+            MSAPluginError: the backend's plugin failed to load, or its factory raised or
+                returned something that is not an msa `Backend` of that name (recorded in
+                `broken` on the first call, so a broken factory runs once).
+            MSAInputError: an unknown name.
+        """
         canonical = self.resolve(name)
-        if canonical not in self._instances:
-            backend = self._records[canonical].factory()
-            if not isinstance(backend, Backend):
-                raise MSAPluginError(
-                    f"the factory of backend {canonical!r} ({self._records[canonical].source}) "
-                    f"returned {type(backend).__name__}, not an msa Backend"
-                )
-            self._instances[canonical] = backend
+        if canonical not in self._instances and canonical not in self.broken:
+            record = self._records[canonical]
+            try:
+                built: object = record.factory()
+            except Exception as exc:  # e.g. a missing shared library
+                self._break(record, f"its factory raised {type(exc).__name__}: {exc}", exc)
+            else:
+                if not isinstance(built, Backend):
+                    error = f"its factory returned {type(built).__name__}, not an msa Backend"
+                    self._break(record, error, TypeError(error))
+                elif getattr(built, "name", None) != canonical:  # selection finds backends by name
+                    error = f"its factory returned a backend named {getattr(built, 'name', None)!r}, not {canonical!r}"
+                    self._break(record, error, TypeError(error))
+                else:
+                    self._instances[canonical] = built
+        failure = self.broken.get(canonical)
+        if failure is not None:
+            raise MSAPluginError(
+                f"backend {canonical!r} ({failure.source}) failed to load: {failure.error}"
+            ) from failure.exception
         return self._instances[canonical]
 
+    def _break(self, record: BackendRecord, error: str, exc: BaseException) -> None:
+        required = self._plugin_of.get(record.name) in self._required
+        self.broken[record.name] = PluginFailure(record.name, record.source, error, exc, required=required)
+        log.warning("msa backend %r (%s) skipped: %s", record.name, record.source, error)
+
     def backends(self) -> list[Backend]:
-        """Every backend, highest priority first."""
-        return [self.get(name) for name in self.names()]
+        """Every backend that loads, highest priority first (broken factories skipped)."""
+        found = []
+        for name in self.names():
+            try:
+                found.append(self.get(name))
+            except MSAPluginError:
+                continue
+        return found
+
+    def required(self, name: str) -> bool:
+        """Whether backend `name` comes from a required plugin (named in `MSA_PLUGINS`)."""
+        return self._plugin_of.get(self.resolve(name)) in self._required
+
+    def required_failures(self) -> list[PluginFailure]:
+        """The failures of required plugins: `backend="auto"` refuses to run while any exists."""
+        return [f for f in (*self.failures.values(), *self.broken.values()) if f.required]
 
     def hook_names(self) -> list[str]:
         """The names of the hooks msa specifies."""

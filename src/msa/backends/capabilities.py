@@ -1,8 +1,11 @@
 """What a backend supports, as data, and the rules that turn those data into refusal reasons.
 
-Each rule reads a backend's `Capabilities`, the step (`DecodeProblem`) and the machine
-(`Platform`) and returns a reason (a sentence) or None. The selection policy holds the list of
-rules; `Backend.not_supported_reasons` applies it and adds the backend's own checks.
+Each rule reads a backend's `Capabilities`, the step (`DecodeProblem`, or None to ask about the
+machine alone) and the machine (`Platform`) and returns a reason (a sentence) or None. A rule
+that gives a reason without a step is a machine rule: `Backend.platform_reasons` reports it (what
+`msa backends` shows); the others are step rules, reported by `Backend.problem_reasons`. The
+selection policy holds the list of rules; `Backend.not_supported_reasons` applies it (machine
+first) and adds the backend's own checks.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Capabilities:
     Attributes:
         device_types: device kinds it runs on ("cuda", "cpu", ...).
         capability_families: CUDA compute-capability majors (10 = SM100 family).
+        min_capability: the lowest CUDA compute capability `(major, minor)` (CUDA devices only).
         packages: importable packages it needs.
         kv_layouts: canonical layout names it reads.
         auto_layouts: layouts for which `backend="auto"` may choose it; otherwise it runs only
@@ -55,6 +59,7 @@ class Capabilities:
 
     device_types: frozenset[str] | None = None
     capability_families: frozenset[int] | None = None
+    min_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()
     kv_layouts: frozenset[str] = frozenset({"bfloat16", "float16", "fp8_e4m3", "nvfp4"})
     auto_layouts: frozenset[str] | None = None
@@ -93,6 +98,13 @@ def capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requ
     if pf.capability[0] not in c.capability_families:
         return f"needs compute capability {families}, this device is {pf.capability[0]}.{pf.capability[1]}"
     return None
+
+
+def min_capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+    if c.min_capability is None or pf.capability is None or pf.capability >= c.min_capability:
+        return None
+    low, have = c.min_capability, pf.capability
+    return f"needs compute capability >= {low[0]}.{low[1]}, this device is {have[0]}.{have[1]}"
 
 
 def package_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
@@ -202,7 +214,7 @@ def ragged_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requeste
 
 
 #: Rules that depend on the machine alone (what `msa backends` shows).
-PLATFORM_RULES: tuple[Rule, ...] = (device_rule, capability_rule, package_rule)
+PLATFORM_RULES: tuple[Rule, ...] = (device_rule, capability_rule, min_capability_rule, package_rule)
 #: Rules that depend on the step.
 PROBLEM_RULES: tuple[Rule, ...] = (
     layout_rule,

@@ -3,45 +3,36 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import torch
 
+from msa.cli.args import Subparsers, bench_file, floats, names, positive_int, positive_ints
+from msa.errors import MSAInputError
+
 __all__ = ["add_parser"]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x for x in text.split(",") if x)
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench", help="time the backends on this GPU (L2 flushed, eager and graph replay)")
-    p.add_argument("--layouts", type=_names, default=("bfloat16", "fp8_e4m3", "nvfp4"))
-    p.add_argument("--batches", type=_ints, default=(1, 16, 64, 128, 256))
-    p.add_argument("--query-lens", type=_ints, default=(1,))
+    p.add_argument("--layouts", type=names, default=("bfloat16", "fp8_e4m3", "nvfp4"))
+    p.add_argument("--batches", type=positive_ints, default=(1, 16, 64, 128, 256))
+    p.add_argument("--query-lens", type=positive_ints, default=(1,))
     p.add_argument("--same-tokens", action="store_true", help="L > 1 runs B // L requests")
-    p.add_argument("--overlap", type=_floats, default=(None,),
+    p.add_argument("--overlap", type=floats, default=(None,),
                    help="page overlap between consecutive tokens of a request, e.g. 0,0.8 (default: independent)")
-    p.add_argument("--strategies", type=_names, default=("auto",),
+    p.add_argument("--strategies", type=names, default=("auto",),
                    help="for the triton backend: auto, dedup, per-token (comma list)")
-    p.add_argument("--tp", type=_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
-    p.add_argument("--context", type=int, default=65536, help="tokens per request (default 65536)")
-    p.add_argument("--backends", type=_names, default=("triton",))
-    p.add_argument("--baselines", type=_names, default=("torch",), help="torch, flex (or empty)")
-    p.add_argument("--baseline-max-batch", type=int, default=64)
+    p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
+    p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
+    p.add_argument("--backends", type=names, default=("triton",))
+    p.add_argument("--baselines", type=names, default=("torch",), help="torch, flex (or empty)")
+    p.add_argument("--baseline-max-batch", type=positive_int, default=64)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--reps", type=positive_int, default=50)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for bench.json and bench.png")
-    p.add_argument("--plot", type=Path, default=None, help="only draw the plot of an existing bench.json")
+    p.add_argument("--plot", type=bench_file, default=None, help="only draw the plot of an existing bench.json")
     p.set_defaults(func=run)
 
 
@@ -49,10 +40,15 @@ def run(args: argparse.Namespace) -> int:
     from msa.bench.sweep import BenchConfig, plot, run_sweep, summary_table
 
     if args.plot is not None:
-        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        try:
+            plot(args.plot.data, args.plot.path.with_suffix(".png"))
+        except (KeyError, TypeError, ValueError) as exc:  # a JSON object, but not msa bench's
+            raise MSAInputError(
+                "--plot", "a bench.json written by msa bench", f"{str(args.plot.path)!r} ({type(exc).__name__}: {exc})"
+            ) from None
         return 0
     if not torch.cuda.is_available():
-        print("msa bench needs a CUDA GPU (try `msa demo` on the CPU)")
+        print("msa bench: error: needs a CUDA GPU (try `msa demo` on the CPU)", file=sys.stderr)
         return 2
     config = BenchConfig(
         layouts=args.layouts, batches=args.batches, query_lens=args.query_lens, tps=args.tp,

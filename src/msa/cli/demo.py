@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from msa.api import select_backend, sparse_decode
+from msa.cli.args import Subparsers, device, positive_int
 from msa.display import format_table, progress
 from msa.oracle import dense_masked_attention
 from msa.problem import MINIMAX_M3
@@ -25,16 +26,16 @@ OUT_TOLERANCE = 2.0**-7
 LSE_TOLERANCE = 1e-3
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="run one MiniMax-M3-shaped decode step per layout and check it",
         description=__doc__,
     )
-    parser.add_argument("--batch", type=int, default=4, help="decode requests B (default 4)")
-    parser.add_argument("--query-len", type=int, default=1, help="query tokens per request L")
+    parser.add_argument("--batch", type=positive_int, default=4, help="decode requests B (default 4)")
+    parser.add_argument("--query-len", type=positive_int, default=1, help="query tokens per request L")
     parser.add_argument(
-        "--context", type=int, default=8192, help="tokens of context per request (default 8192)"
+        "--context", type=positive_int, default=8192, help="tokens of context per request (default 8192)"
     )
     parser.add_argument(
         "--layout",
@@ -43,9 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="KV-cache layout (default: all three)",
     )
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8), help="M3 TP head layout")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
+    parser.add_argument(
+        "--device", type=device, default="auto", help="cpu, cuda, cuda:N, or auto (cuda if present)"
+    )
     parser.add_argument("--backend", default="auto", help="backend name, or auto")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median reported)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (median reported)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
     parser.add_argument(
         "--no-oracle", action="store_true", help="skip the dense float64 check of the reference"

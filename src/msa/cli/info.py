@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from msa.api import available_backends
+from msa.cli.args import Subparsers, layout_head_dim
 from msa.display import format_table
 from msa.layouts import LAYOUT_NAMES, get_layout
 from msa.problem import MINIMAX_M3
@@ -14,9 +15,11 @@ from msa.problem import MINIMAX_M3
 __all__ = ["add_parsers"]
 
 
-def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(subparsers: Subparsers) -> None:
     layouts = subparsers.add_parser("layouts", help="list the KV-cache layouts and their sizes")
-    layouts.add_argument("--head-dim", type=int, default=MINIMAX_M3.head_dim)
+    layouts.add_argument(
+        "--head-dim", type=layout_head_dim, default=MINIMAX_M3.head_dim, help="D (every layout must store it)"
+    )
     layouts.set_defaults(func=run_layouts)
     version = subparsers.add_parser("version", help="versions of msa, torch and the device")
     version.set_defaults(func=run_version)

@@ -41,6 +41,7 @@ class TritonBackend(Backend):
     description = "Triton kernels for every layout (CUDA; CPU under TRITON_INTERPRET=1)"
     capabilities = Capabilities(
         device_types=frozenset({"cuda", "cpu"}),
+        min_capability=(8, 0),
         packages=("triton",),
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         head_dims=frozenset({64, 128, 256}),
@@ -53,14 +54,12 @@ class TritonBackend(Backend):
     def __init__(self, **config_overrides: Any) -> None:
         self.config_overrides = config_overrides
 
-    def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
+    def machine_reasons(self, platform: Platform, *, requested: bool = False) -> list[str]:
         if platform.device_type == "cpu":
             if not platform.triton_interpret:
                 return ["runs on the CPU only under TRITON_INTERPRET=1"]
             if not requested:
                 return ["on the CPU it runs only through the Triton interpreter (slow): request it by name"]
-        if platform.capability is not None and platform.capability < (8, 0):
-            return [f"needs compute capability >= 8.0, this device is {platform.capability[0]}.{platform.capability[1]}"]
         return []
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:

@@ -1,0 +1,88 @@
+"""Bad flags and msa errors end in ONE line on stderr (`msa <command>: error: ...`) and exit code
+2: no traceback, no usage dump. Help still works."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa.cli import main
+
+LINE = re.compile(r"^msa( [a-z]+)?: error: \S.*$")
+
+#: (argv, the command in the message, fragments the message must contain)
+BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
+    (["explain", "--heads", "abc"], "explain", ("argument --heads", "Hq/Hkv", "'abc'")),
+    (["explain", "--heads", "64/0"], "explain", ("argument --heads", "'64/0'")),
+    (["explain", "--heads", "6/4"], "explain", ("argument --heads", "multiple of Hkv", "'6/4'")),
+    (["explain", "--capability", "abc"], "explain", ("argument --capability", "10.0", "'abc'")),
+    (["explain", "--batch", "0"], "explain", ("argument --batch", "positive integer", "'0'")),
+    (["explain", "--head-dim", "-5"], "explain", ("argument --head-dim", "positive integer", "'-5'")),
+    (["explain", "--kv-dtype", "int4"], "explain", ("argument --kv-dtype", "'int4'")),
+    (["explain", "--backend", "nope"], "explain", ("backend: expected 'auto' or one of", "'nope'")),
+    (["demo", "--batch", "0"], "demo", ("argument --batch", "positive integer", "'0'")),
+    (["demo", "--query-len", "0"], "demo", ("argument --query-len", "positive integer", "'0'")),
+    (["demo", "--device", "bogus"], "demo", ("argument --device", "auto, cpu, cuda", "'bogus'")),
+    (["layouts", "--head-dim", "-32"], "layouts", ("argument --head-dim", "positive integer", "'-32'")),
+    (["layouts", "--head-dim", "0"], "layouts", ("argument --head-dim", "positive integer", "'0'")),
+    (["layouts", "--head-dim", "12"], "layouts", ("argument --head-dim", "multiple of 32", "12")),
+    (["bench", "--batches", "1,x"], "bench", ("argument --batches", "positive integers", "'1,x'")),
+    (["bench", "--plot", "missing.json"], "bench", ("argument --plot", "missing.json")),
+    (["frobnicate"], "", ("argument COMMAND", "'frobnicate'")),
+]
+
+
+def check_one_line(err: str, command: str, fragments: tuple[str, ...]) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert LINE.match(lines[0]), err
+    assert lines[0].startswith(f"msa {command}: error: " if command else "msa: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, err)
+
+
+@pytest.mark.parametrize("argv, command, fragments", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_flag_is_one_line_and_exit_2(
+    argv: list[str], command: str, fragments: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "usage:" not in out + err
+    check_one_line(err, command, fragments)
+
+
+def test_plot_of_a_file_that_is_not_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text("this is not json")
+    assert main(["bench", "--plot", str(path)]) == 2
+    check_one_line(capsys.readouterr().err, "bench", ("argument --plot", "not JSON", str(path)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_demo_on_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--device", "cuda"]) == 2
+    check_one_line(capsys.readouterr().err, "demo", ("argument --device", "no CUDA device", "'cuda'"))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["explain", "--help"], ["backends", "--help"], ["layouts", "-h"]])
+def test_help_still_works(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    assert "usage: msa" in capsys.readouterr().out
+
+
+def test_through_a_subprocess() -> None:
+    """The console entry point: stderr holds exactly one line, the exit code is 2."""
+    for argv, fragment in ((["explain", "--heads", "abc"], "argument --heads"),
+                           (["layouts", "--head-dim", "12"], "multiple of 32")):
+        result = subprocess.run([sys.executable, "-m", "msa", *argv], capture_output=True, text=True)
+        assert result.returncode == 2, result
+        check_one_line(result.stderr, argv[0], (fragment,))
+    ok = subprocess.run([sys.executable, "-m", "msa", "explain", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "--heads" in ok.stdout and not ok.stderr

@@ -1,0 +1,271 @@
+"""One faulty plugin must not disable msa: every fault through a REAL entry point.
+
+Each case installs plugin modules and `*.dist-info` entry points into a temporary directory on
+`sys.path`, builds the process-wide registry from the environment, and checks the contract:
+the fault is logged and shown by `msa backends` (exit 0, no traceback); `backend="reference"`
+and `backend="auto"` still run; requesting the broken backend by name (`backend=` or
+`MSA_BACKEND`) raises `MSAPluginError` naming the plugin's source and chaining its error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+import msa
+from msa.cli import main
+from msa.errors import MSAPluginError
+from msa.registry import BUILTIN_SOURCE, BackendRegistry, get_registry, reset_registry
+from msa.workload import DecodeStep, make_decode_step
+
+HEADER = '''
+import msa.registry
+from msa.backends.reference import ReferenceBackend
+
+def plugged(name):
+    """The reference under another name (so `auto` may pick it and still match the reference)."""
+    return type(name, (ReferenceBackend,), {"name": name})
+'''
+
+
+def offers(*records: str) -> str:
+    """A plugin module whose hook returns the given `BackendRecord(...)` argument lists."""
+    body = ", ".join(f"msa.registry.BackendRecord({r})" for r in records)
+    return HEADER + f"\n@msa.registry.hookimpl\ndef msa_backends():\n    return [{body}]\n"
+
+
+PLUGINS = {
+    "raisefactory": HEADER + textwrap.dedent('''
+        CALLS = []
+        def factory():
+            CALLS.append(1)
+            raise OSError("libraisefactory.so: cannot open shared object file")
+        @msa.registry.hookimpl
+        def msa_backends():
+            return [msa.registry.BackendRecord(name="raisefactory", factory=factory, priority=50)]
+    '''),
+    "junkfactory": offers('name="junkfactory", factory=lambda: object(), priority=50'),
+    "misnamed": offers('name="misnamed", factory=plugged("reference"), priority=50'),
+    "judgeraises": HEADER + textwrap.dedent('''
+        class Judge(plugged("judgeraises")):
+            def not_supported_reasons(self, problem, platform, *, requested=False, rules=()):
+                raise RuntimeError("capability table corrupt")
+        @msa.registry.hookimpl
+        def msa_backends():
+            return [msa.registry.BackendRecord(name="judgeraises", factory=Judge, priority=50)]
+    '''),
+    "clashbuiltin": offers('name="reference", factory=plugged("reference"), priority=50'),
+    "clashalias": offers('name="clashalias", factory=plugged("clashalias"), aliases=("cutlass",), priority=-1'),
+    "autoplug": offers('name="mine", factory=plugged("mine"), aliases=("auto",)'),
+    "clasha": offers('name="shared", factory=plugged("shared"), priority=-1'),
+    "clashb": offers('name="shared", factory=plugged("shared"), priority=-2', 'name="bonly", factory=plugged("bonly")'),
+}
+
+
+@attrs.frozen
+class Fault:
+    """One fault: the plugins to install, the environment, the name to request, the error."""
+
+    plugins: tuple[str, ...]
+    broken: str
+    error: str
+    cause: type[BaseException]
+    env: tuple[tuple[str, str], ...] = ()
+    loads: bool = False  # the backend itself builds (only judging it fails)
+
+
+FAULTS = {
+    "factory raises": Fault(
+        ("raisefactory",), "raisefactory",
+        r"backend 'raisefactory' \(raisefactory 1.0 \(entry point raisefactory = raisefactory\)\) failed to "
+        r"load: its factory raised OSError: libraisefactory.so: cannot open",
+        OSError,
+    ),
+    "factory returns junk": Fault(
+        ("junkfactory",), "junkfactory",
+        r"backend 'junkfactory' \(junkfactory 1.0 .*\) failed to load: its factory returned object, "
+        r"not an msa Backend",
+        TypeError,
+    ),
+    "factory returns a backend of another name": Fault(
+        ("misnamed",), "misnamed",
+        r"backend 'misnamed' \(misnamed 1.0 .*\) failed to load: its factory returned a backend named "
+        r"'reference', not 'misnamed'",
+        TypeError,
+    ),
+    "not_supported_reasons raises": Fault(
+        ("judgeraises",), "judgeraises",
+        r"backend 'judgeraises' \(judgeraises 1.0 .*\) failed: its not_supported_reasons raised "
+        r"RuntimeError: capability table corrupt",
+        RuntimeError,
+        loads=True,
+    ),
+    "name clash with a built-in": Fault(
+        ("clashbuiltin",), "clashbuiltin",
+        r"backend 'clashbuiltin' was requested but its plugin \(clashbuiltin 1.0 .*\) failed to load: two msa "
+        r"backends are named 'reference': one from msa \(built-in\), one from clashbuiltin 1.0",
+        MSAPluginError,
+    ),
+    "alias clash": Fault(
+        ("clashalias",), "clashalias",
+        r"two msa backends are named 'cutlass': one from msa \(built-in\), one from clashalias 1.0",
+        MSAPluginError,
+    ),
+    "clash between two plugins": Fault(
+        ("clashb", "clasha"), "clashb",
+        r"two msa backends are named 'shared': one from clasha 1.0 \(entry point clasha = clasha\), "
+        r"one from clashb 1.0 \(entry point clashb = clashb\)",
+        MSAPluginError,
+    ),
+    "MSA_PLUGINS names a missing plugin": Fault(
+        (), "ghostplug",
+        r"backend 'ghostplug' was requested but its plugin \(not installed\) failed to load: "
+        r"no installed distribution has an entry point 'ghostplug' in the group 'msa.backends'",
+        LookupError,
+        env=(("MSA_PLUGINS", "ghostplug"),),
+    ),
+}
+
+#: Registries built by these tests, kept alive: `msa.api` keys its one-shot planners by
+#: `id(get_registry())`, and a collected registry's id may be reused by the next one.
+_ALIVE: list[object] = []
+
+
+def install(site: Path, names: tuple[str, ...]) -> None:
+    """Write each plugin module and a `<name>-1.0.dist-info` with its entry point."""
+    for name in names:
+        (site / f"{name}.py").write_text(PLUGINS[name])
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[msa.backends]\n{name} = {name}\n")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("MSA_PLUGINS", "MSA_DISABLE_PLUGINS", "MSA_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    importlib.invalidate_caches()
+    _ALIVE.append(reset_registry(None))
+    yield tmp_path
+    for name in PLUGINS:
+        sys.modules.pop(name, None)
+    _ALIVE.append(reset_registry(None))
+
+
+@pytest.fixture(scope="module")
+def step() -> DecodeStep:
+    return make_decode_step(msa.Geometry(8, 2, 64, 16, 4), batch_size=2, context_len=100, seed=2)
+
+
+def run(step: DecodeStep, backend: str) -> torch.Tensor:
+    out = msa.sparse_decode(**step.kwargs(), backend=backend)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_a_faulty_plugin_leaves_msa_working(
+    case: str,
+    site: Path,
+    step: DecodeStep,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fault = FAULTS[case]
+    install(site, fault.plugins)
+    for key, value in fault.env:
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="msa"):
+        registry = get_registry()  # never raises: failures are recorded
+        reference = run(step, "reference")
+        if "MSA_PLUGINS" not in dict(fault.env):
+            assert torch.equal(run(step, "auto"), reference), "auto skips the broken plugin"
+        available = [b.name for b in msa.available_backends()]
+        assert "reference" in available and (fault.broken in available) == fault.loads
+    assert fault.broken in caplog.text, "the failure is logged on the 'msa' logger"
+    assert registry.get("reference").name == "reference", "the built-in keeps its name"
+
+    with pytest.raises(MSAPluginError, match=fault.error) as info:
+        run(step, fault.broken)
+    assert isinstance(info.value.__cause__, fault.cause)
+    monkeypatch.setenv("MSA_BACKEND", fault.broken)
+    with pytest.raises(MSAPluginError, match=fault.error):
+        run(step, "auto")
+    monkeypatch.delenv("MSA_BACKEND")
+
+    capsys.readouterr()
+    assert main(["backends"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    row = next((line for line in out.splitlines() if line.startswith(fault.broken + " ")), "")
+    assert re.search(r"\bbroken\b", row) and "fail" in row, out
+
+
+def test_the_first_plugin_keeps_a_clashing_name(site: Path) -> None:
+    install(site, ("clashb", "clasha"))
+    registry = BackendRegistry(environ={})
+    assert registry.record("shared").source.startswith("clasha 1.0"), "entry points load in name order"
+    assert "clasha" not in registry.failures and "clashb" in registry.failures
+    assert "bonly" not in registry.names(), "a clashing plugin is refused whole"
+    with pytest.raises(MSAPluginError, match="its plugin \\(clashb 1.0"):
+        registry.resolve("bonly")
+
+
+def test_clash_with_a_builtin_keeps_the_builtin(site: Path) -> None:
+    install(site, ("clashbuiltin", "clashalias"))
+    registry = BackendRegistry(environ={})
+    assert registry.record("reference").source == BUILTIN_SOURCE
+    assert registry.resolve("cutlass") == "cutlass_sm100"
+    assert set(registry.failures) == {"clashbuiltin", "clashalias"}
+
+
+def test_a_broken_factory_runs_once(site: Path) -> None:
+    install(site, ("raisefactory",))
+    registry = BackendRegistry(environ={})
+    for _ in range(3):
+        with pytest.raises(MSAPluginError, match="its factory raised OSError"):
+            registry.get("raisefactory")
+    assert [b.name for b in registry.backends()] == ["cutlass_sm100", "flashinfer", "triton", "reference"]
+    assert len(sys.modules["raisefactory"].CALLS) == 1, "the failure is recorded, the factory not re-run"
+    assert registry.broken["raisefactory"].error.startswith("its factory raised OSError")
+
+
+def test_a_required_plugin_that_fails_blocks_auto_only(site: Path, step: DecodeStep, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Named in MSA_PLUGINS: `auto` refuses to run without it (no silent fallback); a backend
+    requested by name still runs, and `msa backends` shows the failure."""
+    install(site, ("raisefactory",))
+    monkeypatch.setenv("MSA_PLUGINS", "raisefactory")
+    assert torch.equal(run(step, "reference"), run(step, "reference"))
+    with pytest.raises(MSAPluginError, match="msa plugin 'raisefactory' .* is named in MSA_PLUGINS but failed") as info:
+        run(step, "auto")
+    assert isinstance(info.value.__cause__, OSError)
+    assert get_registry().broken["raisefactory"].required
+    assert main(["backends"]) == 0
+    assert "named in MSA_PLUGINS" in capsys.readouterr().out
+
+
+def test_missing_plugin_in_msa_plugins_blocks_auto(site: Path, step: DecodeStep, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MSA_PLUGINS", "ghostplug")
+    with pytest.raises(MSAPluginError, match="msa plugin 'ghostplug' \\(not installed\\) is named in MSA_PLUGINS but failed to load: no installed"):
+        run(step, "auto")
+    failure = get_registry().failures["ghostplug"]
+    assert failure.required and isinstance(failure.exception, LookupError)
+
+
+def test_auto_is_not_a_backend_name(site: Path) -> None:
+    install(site, ("autoplug",))
+    registry = BackendRegistry(environ={})
+    assert "two msa backends are named 'auto'" in registry.failures["autoplug"].error
+    assert "mine" not in registry.names()
