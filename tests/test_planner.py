@@ -311,3 +311,36 @@ def test_run_allocates_nothing() -> None:
         planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.gpu
+def test_captured_graph_keeps_its_plan_across_evictions(gen: torch.Generator) -> None:
+    """An engine holds the plan it captured with; planning more shapes than max_plans in between
+    must not detach it: every later plan() of its shape refreshes the same buffers, and replays
+    match the reference (the old LRU dropped it and the replays read a stale step)."""
+    cuda_gen = torch.Generator(device="cuda")
+    cuda_gen.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    blocks = 12
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, decode_query_len=2, context_len=blocks * 128,
+                            kv_cache_dtype="fp8_e4m3", device="cuda", seed=3)
+    kw = step.kwargs()
+    kw["topk_indices"] = kw["topk_indices"].clone()
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", backend="triton", device="cuda", max_plans=2)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+    args = (plan, kw["q"], kw["kv_cache"], kw["topk_indices"])
+    scales = dict(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    planner.run(*args, out=out, **scales)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planner.run(*args, out=out, **scales)
+    for i in range(10):
+        for b in (1, 2, 4):  # other shapes push the captured plan out of the cache
+            planner.plan(kw["block_table"][:b], kw["seq_lens"][:b], decode_query_len=2)
+        _new_step_in_place(step, kw, cuda_gen, blocks)
+        assert planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2) is plan
+        graph.replay()
+        ref = msa.sparse_decode(**kw, backend="reference")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=3e-3)
+    assert planner.plans.evictions > 0 and planner.plans.revivals >= 10
