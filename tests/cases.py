@@ -1,4 +1,4 @@
-"""Random decode steps for the tests, with every kind of malformed index SPEC §3 says to skip."""
+"""Random decode steps for the tests, with every kind of malformed index docs/semantics.md §3 says to skip."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""An independent float64 oracle for the tests: its own dequantizers (numpy, from the SPEC §4
-byte rules) and a loop per row, per KV head, per token (SPEC §3 read literally)."""
+"""An independent float64 oracle for the tests: its own dequantizers (numpy, from the docs/semantics.md §4
+byte rules) and a loop per row, per KV head, per token (docs/semantics.md §3 read literally)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def naive_decode(
     score_scale: float,
     query_start_loc: torch.Tensor | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC §3, one (row, KV head, token) at a time. `keys`/`values` are dequantized, scaled.
+    """docs/semantics.md §3, one (row, KV head, token) at a time. `keys`/`values` are dequantized, scaled.
 
     Rows are request-major (`r = b*L + i`), or, with a (valid) `query_start_loc`, request `b`
     owns rows `[qsl[b], qsl[b+1])`; rows owned by no request attend nothing."""

@@ -1,4 +1,4 @@
-"""DESIGN.md's rule, enforced: layers import only downward."""
+"""docs/architecture.md's rule, enforced: layers import only downward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The selection policy on hand-built platforms: every SPEC §7 rule on both sides of its boundary."""
+"""The selection policy on hand-built platforms: every docs/semantics.md §7 rule on both sides of its boundary."""
 
 from __future__ import annotations
 

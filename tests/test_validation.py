@@ -1,4 +1,4 @@
-"""Every validation error (SPEC §6): the argument, the expectation and what was given."""
+"""Every validation error (docs/semantics.md §6): the argument, the expectation and what was given."""
 
 from __future__ import annotations
 

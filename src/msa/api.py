@@ -66,7 +66,7 @@ def sparse_decode(
 
     Row `r = b*L + i` (request `b`, query token `i`) at position `seq_lens[b] - L + i` attends,
     for each KV head `h`, the visible tokens of the blocks listed in `topk_indices[h, r]`
-    (SPEC §3); `-1` and out-of-range entries are skipped.
+    (docs/semantics.md §3); `-1` and out-of-range entries are skipped.
 
     Args:
         q: `[B*L, Hq, D]` bf16/fp16 (fp8 e4m3 with `q_scale`), rows request-major, unit last

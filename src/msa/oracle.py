@@ -1,4 +1,4 @@
-"""A second, independent formulation of SPEC §3 in float64: dense attention over each request's
+"""A second, independent formulation of docs/semantics.md §3 in float64: dense attention over each request's
 whole context with a token mask built from the top-k lists. Used by `msa demo` to check the
 reference itself, and by third-party backend authors as a cross-check."""
 
@@ -26,7 +26,7 @@ def dense_masked_attention(
     k_scale: Scale = 1.0,
     v_scale: Scale = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §3 as masked dense attention, one request at a time, in float64.
+    """docs/semantics.md §3 as masked dense attention, one request at a time, in float64.
 
     Returns:
         `(out, lse)`: float64 `[B*L, Hq, D]` and `[B*L, Hq]`.

@@ -1,4 +1,4 @@
-"""CUDA-graph-stable decode plans (SPEC §5).
+"""CUDA-graph-stable decode plans (docs/semantics.md §5).
 
     planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", device="cuda")
     # every step, outside graph capture:

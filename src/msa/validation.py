@@ -1,4 +1,4 @@
-"""Input checks for a decode step (SPEC §6).
+"""Input checks for a decode step (docs/semantics.md §6).
 
 `check_decode_inputs` runs every check that needs no device data and returns the step as a
 `DecodeProblem` plus the checked `DecodeInputs`. `check_decode_data` runs the deep checks
@@ -38,7 +38,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 @attrs.frozen(eq=False)
 class DecodeInputs:
-    """The checked tensors and scales of one decode step (shapes as in SPEC §2).
+    """The checked tensors and scales of one decode step (shapes as in docs/semantics.md §2).
 
     Attributes:
         q: `[B*L, Hq, D]`.
@@ -175,7 +175,7 @@ def check_decode_inputs(
     return_lse: bool = False,
     query_start_loc: object = None,
 ) -> tuple[DecodeProblem, DecodeInputs]:
-    """Every check of SPEC §6 that needs no device data.
+    """Every check of docs/semantics.md §6 that needs no device data.
 
     Returns:
         The step's `DecodeProblem` and its `DecodeInputs` (out/lse as given, possibly None).
@@ -308,7 +308,7 @@ def _first_row(mask: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
-    """The deep checks (SPEC §6), reading device data. Reports the first offending row.
+    """The deep checks (docs/semantics.md §6), reading device data. Reports the first offending row.
 
     Checks, in order: tensor scales finite and > 0; `query_start_loc` well formed; `seq_lens`
     non-negative and within the block table; every `topk_indices`

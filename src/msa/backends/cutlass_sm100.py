@@ -8,10 +8,10 @@ adapter drives it.
 - Every `plan` (`refresh`) rewrites `kv_segment_lens[r] = seq_lens[b]` and `qo_offset[r] = seq_lens[b] - L + i`
   in the library plan's own buffers, in place, on the device.
 - Every `run` rewrites the index lists into a plan-owned token-major buffer, ascending with `-1`
-  padding at the tail and every SPEC §3-skipped entry removed (the library expects that form),
+  padding at the tail and every docs/semantics.md §3-skipped entry removed (the library expects that form),
   then calls `fmha_sm100` on FP8 split K/V views or NVFP4 head-slot views.
 
-SPEC §7 rules: requested by name or an NVFP4 cache; compute capability 10.x; fp8/nvfp4 cache;
+docs/semantics.md §7 rules: requested by name or an NVFP4 cache; compute capability 10.x; fp8/nvfp4 cache;
 Hq <= 64, Hkv <= 4; P = 128; K = 16; 1 <= L <= 32; B >= 16 unless NVFP4; B*L*Hq <= 65536.
 The library takes fp8 queries only and returns no LSE.
 """

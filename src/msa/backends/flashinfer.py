@@ -3,7 +3,7 @@ FP8 queries and FP8 split caches on the SM100 family, GQA groups up to 16, natur
 
 Per step shape a plan holds the library's graph workspace (`MSASparseAttentionWorkspace`) and a
 head-major index buffer; every run rewrites the index lists there in the form the library
-expects (ascending, `-1` padding at the tail, SPEC §3-skipped entries removed).
+expects (ascending, `-1` padding at the tail, docs/semantics.md §3-skipped entries removed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The reference backend: SPEC §3 in float32 torch, on any device. The oracle every kernel is
+"""The reference backend: docs/semantics.md §3 in float32 torch, on any device. The oracle every kernel is
 checked against — written for clarity, vectorized over rows, chunked to bound memory."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ReferenceBackend(Backend):
     """float32 torch on any device: every layout, geometry, query length and LSE."""
 
     name = "reference"
-    description = "SPEC §3 in float32 torch on any device (the oracle; slow)"
+    description = "docs/semantics.md §3 in float32 torch on any device (the oracle; slow)"
     capabilities = Capabilities(
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         query_lens=(1, 2**31 - 1),
@@ -78,7 +78,7 @@ class ReferenceBackend(Backend):
             )  # [Hkv, rc, K, P, D]
             token = block[:, r0:r1, :, None] * p + offsets  # [Hkv, rc, K, P]
             valid = (used[:, r0:r1, :, None] & (token < visible[r0:r1].view(1, -1, 1, 1))).unsqueeze(-1)
-            # Tokens SPEC §3 does not read (skipped entries, the tail of a partly visible page)
+            # Tokens docs/semantics.md §3 does not read (skipped entries, the tail of a partly visible page)
             # were gathered too (from page 0, or past the row's length): zero them before any
             # arithmetic, so whatever those bytes hold (NaN, Inf) cannot reach the result.
             keys = torch.where(valid, keys, 0.0)

@@ -1,4 +1,4 @@
-"""KV-cache layouts (SPEC §4): one interface to allocate, write, dequantize and gather pages.
+"""KV-cache layouts (docs/semantics.md §4): one interface to allocate, write, dequantize and gather pages.
 
 `get_layout(kv_cache_dtype)` maps the names serving engines use to a layout:
 

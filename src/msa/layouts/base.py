@@ -45,7 +45,7 @@ class SlotWrite:
 
 
 class KVLayout(abc.ABC):
-    """A KV-cache layout (SPEC §4). Instances are stateless and shared.
+    """A KV-cache layout (docs/semantics.md §4). Instances are stateless and shared.
 
     Attributes:
         name: the canonical name ("bfloat16", "float16", "fp8_e4m3", "nvfp4").

@@ -1,4 +1,4 @@
-"""The NVFP4 head-slot layout (SPEC §4), byte for byte.
+"""The NVFP4 head-slot layout (docs/semantics.md §4), byte for byte.
 
 Cache: uint8 `[pages, 2*Hkv, P, D/2 + D/16]`. Slot `2h` holds head `h`'s K, slot `2h + 1` its V.
 A slot is one contiguous run of `P * (D/2 + D/16)` bytes:

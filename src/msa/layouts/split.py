@@ -1,4 +1,4 @@
-"""The split layouts (SPEC §4): `[pages, Hkv, P, 2*D]`, K in the first `D` channels, V in the
+"""The split layouts (docs/semantics.md §4): `[pages, Hkv, P, 2*D]`, K in the first `D` channels, V in the
 last `D`. BF16/FP16 store values as they are; FP8 stores `x / scale` in float8_e4m3fn."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Planning: what a step needs besides the kernel — resolved index lists, per-row metadata
 refreshed in place, the step's tables, and a bounded cache of plans keyed by step shape
-(SPEC §5)."""
+(docs/semantics.md §5)."""
 
 from msa.planning.cache import PlanCache
 from msa.planning.indices import compact_topk, resolve_entries

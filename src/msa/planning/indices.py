@@ -1,4 +1,4 @@
-"""The index lists of SPEC §3 resolved: which entries a row attends, and a compact, sorted form
+"""The index lists of docs/semantics.md §3 resolved: which entries a row attends, and a compact, sorted form
 for kernel libraries that want ascending ids with `-1` padding at the tail."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def compact_topk(
 ) -> torch.Tensor:
     """Write the used entries of each list in ascending order, `-1`-padded at the tail, into `out`.
 
-    Every entry SPEC §3 skips becomes `-1`, so a kernel that trusts "ascending ids, padding at
-    the end, every id readable" computes exactly the SPEC result.
+    Every entry docs/semantics.md §3 skips becomes `-1`, so a kernel that trusts "ascending ids, padding at
+    the end, every id readable" computes exactly the result docs/semantics.md §3 defines.
 
     Args:
         out: int32 `[Hkv, R, K]` (head-major) or a transposed view of a token-major buffer.

@@ -1,11 +1,11 @@
-"""Triton kernels of the sparse decode (SPEC §3).
+"""Triton kernels of the sparse decode (docs/semantics.md §3).
 
 One program handles one query row `r`, one KV head `h`, a chunk of `BLOCK_G` of the head's
 query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens of one selected page).
 Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every fp8 and NVFP4
 value is exact in both), fp32 under the Triton interpreter. The row's index list is resolved
 once, up front, so the tile loop has no dependent index loads and can be software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
-tensor scales are read on the device (graph-safe). An entry SPEC §3 skips is never read: its
+tensor scales are read on the device (graph-safe). An entry docs/semantics.md §3 skips is never read: its
 page pointer is not formed and its tile is not loaded.
 
 With one split the program writes the normalised output and the LSE; with several it writes
@@ -49,7 +49,7 @@ def _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS: tl.constexpr,
 def _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages, stride_th, stride_tr, stride_tk, stride_bt,
              TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
     """The row's index list resolved once: (entry ids, block ids, pages, used), each [TOPK_PAD].
-    Skipped entries (SPEC §3) get used = 0 and page 0; their tiles are never loaded."""
+    Skipped entries (docs/semantics.md §3) get used = 0 and page 0; their tiles are never loaded."""
     e = tl.arange(0, TOPK_PAD)
     j = tl.load(topk_ptr + h * stride_th + r * stride_tr + e * stride_tk, mask=e < TOPK, other=-1)
     used = (j >= 0) & (j < limit)
