@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import msa  # noqa: E402
 from hostile import LAYOUTS, make_hostile  # type: ignore[import-not-found]  # noqa: E402
 from msa.backends.triton import TritonBackend  # noqa: E402
-from msa.planning import StepTables  # noqa: E402
 from msa.validation import check_decode_inputs  # noqa: E402
 from msa.workload import make_decode_step  # noqa: E402
 
@@ -51,9 +50,7 @@ def _run(kw: dict[str, Any], backend: TritonBackend, with_lse: bool) -> tuple[to
     q = kw["q"]
     out = torch.full(q.shape, float("nan"), dtype=problem.out_dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), device=q.device) if with_lse else None
-    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len,
-                              query_start_loc=inputs.query_start_loc, num_rows=problem.num_rows if problem.ragged else None)
-    backend.run(backend.plan(problem, tables), inputs, out, lse)
+    backend.run_step(problem, inputs, out, lse)
     return out, lse
 
 

@@ -31,7 +31,7 @@ for layout in ("fp8_e4m3", "bfloat16", "nvfp4"):
         kw = _case(step, batch, 1, gen)
         n_bytes = step_bytes(kw, step)
         problem, inputs = check_decode_inputs(**kw)
-        tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
+        tables = StepTables.for_inputs(problem, inputs)
         ref = msa.sparse_decode(**kw, backend="reference")
         assert isinstance(ref, torch.Tensor)
         for splits in options:

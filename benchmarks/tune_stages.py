@@ -31,7 +31,7 @@ for layout in ("fp8_e4m3", "nvfp4"):
         kw = _case(step, batch, 1, gen)
         n_bytes = step_bytes(kw, step)
         problem, inputs = check_decode_inputs(**kw)
-        tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
+        tables = StepTables.for_inputs(problem, inputs)
         out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
         for bn, st, w in itertools.product((32, 64, 128), (3, 4, 6), (4, 8)):
             be = TritonBackend(num_splits=1, block_n=bn, num_stages=st, num_warps=w)

@@ -53,7 +53,7 @@ def main() -> None:
         for batch in (1, 64, 256):
             kw = sub_step(step.kwargs(), batch)
             problem, inputs = check_decode_inputs(**kw)
-            tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=1)
+            tables = StepTables.for_inputs(problem, inputs)
             ref = msa.sparse_decode(**kw, backend="reference")
             assert isinstance(ref, torch.Tensor)
             visible = batch * 4 * 16 * 128  # every selected page fully visible but the last one

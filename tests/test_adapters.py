@@ -141,12 +141,12 @@ def test_cutlass_plans_per_shape(fakes: dict[str, Any], seed: int) -> None:
     plan_a, _, _ = _run(planner, kw)
     kw2 = _step("fp8_e4m3", 16, 2, (16, 1), seed).kwargs()
     plan_b, _, _ = _run(planner, kw2)
-    assert plan_b is not plan_a and plan_b.key.query_len == 2
+    assert plan_b is not plan_a and plan_b.problem.query_len == 2
     wide = torch.full((16, 40), -1, dtype=torch.int32)
     wide[:, : kw["block_table"].shape[1]] = kw["block_table"]
     kw["block_table"] = wide[:, : kw["block_table"].shape[1]]  # a view with a longer row stride
     plan_c, out, _ = _run(planner, kw)
-    assert plan_c.key.table_stride == 40 and plan_c is not plan_a
+    assert plan_c.problem.table_stride == 40 and plan_c is not plan_a
     _assert_matches_reference(out, kw)
     assert len(fakes["fmha"].PLAN_CALLS) == 3 and planner.plans.evictions == 1
 
@@ -182,7 +182,7 @@ def test_adapters_without_their_library_raise_clearly(seed: int) -> None:
         sys.modules.pop(name, None)
     kw = _step("fp8_e4m3", 16, 1, (16, 1), seed).kwargs()
     problem, inputs = check_decode_inputs(**kw)
-    tables = StepTables.build(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    tables = StepTables.for_inputs(problem, inputs)
     with pytest.raises(MSAUnsupportedError, match="backend 'cutlass_sm100' needs the 'fmha_sm100' package"):
         CutlassSM100Backend().plan(problem, tables)
     with pytest.raises(MSAUnsupportedError, match="backend 'flashinfer' needs the 'flashinfer.msa_ops' package"):

@@ -12,6 +12,7 @@ import torch
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
+from msa.layouts import get_layout
 from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
@@ -26,11 +27,7 @@ GEOMETRY = msa.Geometry(8, 2, 64, 16, 4)
 def run(kw: dict[str, Any], backend: TritonBackend, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, Any]:
     kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=True)
-    tables = StepTables.build(
-        inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len,
-        query_start_loc=inputs.query_start_loc, num_rows=problem.num_rows if problem.ragged else None,
-    )
-    plan = backend.plan(problem, tables)
+    plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))
     out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full(kw["q"].shape[:2], float("nan"), device=device)
     backend.run(plan, inputs, out, lse)
@@ -122,14 +119,14 @@ def test_ragged_through_the_api_and_validation() -> None:
 
 def test_policy_picks_dedup_from_shapes_only() -> None:
     m3 = msa.MINIMAX_M3
-    assert choose_config(m3, 64 * 4, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=4).dedup
-    assert choose_config(m3, 33 * 3, 132, kv_layout="bfloat16", batch_size=33, query_len=3).dedup
-    assert not choose_config(m3, 16 * 4, 132, kv_layout="fp8_e4m3", batch_size=16, query_len=4).dedup, "too few programs"
-    assert not choose_config(m3, 64 * 8, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=8).dedup
-    assert not choose_config(m3, 64 * 2, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=2).dedup
-    assert not choose_config(m3, 64, 132, kv_layout="fp8_e4m3", batch_size=64, query_len=1).dedup
-    assert not choose_config(m3, 64 * 4, 132, kv_layout="nvfp4", batch_size=64, query_len=4).dedup
-    wide = choose_config(m3, 2 * 32, 132, kv_layout="bfloat16", batch_size=2, query_len=32, dedup=True)
+    assert choose_config(m3, 64 * 4, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=4).dedup
+    assert choose_config(m3, 33 * 3, 132, layout=get_layout("bfloat16"), batch_size=33, query_len=3).dedup
+    assert not choose_config(m3, 16 * 4, 132, layout=get_layout("fp8_e4m3"), batch_size=16, query_len=4).dedup, "too few programs"
+    assert not choose_config(m3, 64 * 8, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=8).dedup
+    assert not choose_config(m3, 64 * 2, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=2).dedup
+    assert not choose_config(m3, 64, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=1).dedup
+    assert not choose_config(m3, 64 * 4, 132, layout=get_layout("nvfp4"), batch_size=64, query_len=4).dedup
+    wide = choose_config(m3, 2 * 32, 132, layout=get_layout("bfloat16"), batch_size=2, query_len=32, dedup=True)
     assert wide.dedup and wide.tokens == 8 and wide.token_chunks == 4 and wide.block_m == 128
 
 

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 import msa
 from msa.backends.triton import TritonBackend
 from msa.oracle import dense_masked_attention
-from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 
 from cases import assert_close_to_naive
@@ -71,11 +70,7 @@ def run_triton(hostile: Hostile, backend: TritonBackend, lse_wanted: bool = True
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
     out, lse = _outputs(hostile, device)
     lse_arg = lse if lse_wanted else None
-    tables = StepTables.build(
-        inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len,
-        query_start_loc=inputs.query_start_loc, num_rows=problem.num_rows if problem.ragged else None,
-    )
-    backend.run(backend.plan(problem, tables), inputs, out, lse_arg)
+    backend.run_step(problem, inputs, out, lse_arg)
     return out, lse_arg
 
 

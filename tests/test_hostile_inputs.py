@@ -13,7 +13,6 @@ import torch
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.kernels import merge_kernel
-from msa.planning import StepTables
 from msa.semantics import request_starts
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
@@ -52,9 +51,7 @@ def _run(kw: dict[str, Any], backend: str | TritonBackend, starts: list[int]) ->
         msa.sparse_decode(**kw, backend=backend, out=out, lse=lse)
     else:
         problem, inputs = check_decode_inputs(**kw, lse=lse, out=out)
-        tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=4,
-                                  query_start_loc=inputs.query_start_loc, num_rows=problem.num_rows)
-        backend.run(backend.plan(problem, tables), inputs, out, lse)
+        backend.run_step(problem, inputs, out, lse)
     for name, buf in (("out", out_buf), ("lse", lse_buf)):
         assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[-GUARD:]).all(), f"a write outside {name}"
     return out.clone(), lse.clone()
@@ -115,8 +112,7 @@ def _plain(kw: dict[str, Any], backend: TritonBackend) -> tuple[torch.Tensor, to
     problem, inputs = check_decode_inputs(**kw, return_lse=True)
     out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16, device=kw["q"].device)
     lse = torch.full(kw["q"].shape[:2], float("nan"), device=kw["q"].device)
-    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len)
-    backend.run(backend.plan(problem, tables), inputs, out, lse)
+    backend.run_step(problem, inputs, out, lse)
     return out, lse
 
 

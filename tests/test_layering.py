@@ -10,8 +10,8 @@ SRC = Path(__file__).parents[1] / "src" / "msa"
 # lower number = lower layer; a module may import its own layer or below
 LAYERS = {
     "errors": 0,
-    "problem": 1, "scales": 1, "platform": 1,
-    "layouts": 2, "semantics": 2,
+    "scales": 1, "platform": 1,
+    "layouts": 2, "semantics": 2, "problem": 2,
     "validation": 3,
     "planning": 4,
     "backends": 5,
@@ -21,7 +21,8 @@ LAYERS = {
     "policy": 9,
     "workload": 10, "oracle": 10, "display": 10,
     "planner": 11, "api": 11, "bench": 11,
-    "cli": 12, "__init__": 12, "__main__": 12,
+    "distributed": 12, "integrations": 12,
+    "cli": 13, "__init__": 13, "__main__": 13,
 }
 
 

@@ -39,7 +39,7 @@ def test_same_key_same_plan_and_buffers() -> None:
     assert again is plan
     assert {k: v.data_ptr() for k, v in again.buffers().items()} == addresses
     assert planner.plans.hits == 1 and planner.plans.misses == 1 and len(planner.plans) == 1
-    assert plan.key.batch_size == 3 and plan.key.backend == "reference"
+    assert plan.key.problem.batch_size == 3 and plan.key.backend == "reference"
 
 
 def test_different_shapes_different_plans() -> None:
@@ -54,7 +54,7 @@ def test_different_shapes_different_plans() -> None:
     plans = [base, other_len, other_stride, fewer]
     assert len({id(p) for p in plans}) == 4 and len({p.key for p in plans}) == 4
     fp8 = _planner(kv_cache_dtype="fp8").plan(step.block_table, step.seq_lens, decode_query_len=2)
-    assert fp8.key != base.key and fp8.key.kv_layout == "fp8_e4m3"
+    assert fp8.key != base.key and fp8.key.problem.kv_layout == "fp8_e4m3"
 
 
 def test_lru_eviction_keeps_held_plans_valid() -> None:
@@ -64,7 +64,7 @@ def test_lru_eviction_keeps_held_plans_valid() -> None:
     b = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
     planner.plan(step.block_table, step.seq_lens, decode_query_len=1)  # a is now the most recent
     c = planner.plan(step.block_table, step.seq_lens, decode_query_len=3)
-    assert [k.query_len for k in planner.plans.keys()] == [1, 3], "b, least recently used, went"
+    assert [k.problem.query_len for k in planner.plans.keys()] == [1, 3], "b, least recently used, went"
     assert planner.plans.evictions == 1 and "2/2 plans" in planner.plans.stats()
     # the evicted plan still runs: its buffers live as long as the caller holds it
     kw = _step(length=2).kwargs()

@@ -12,7 +12,6 @@ import torch
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
-from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 
 from cases import Case, build
@@ -32,8 +31,7 @@ def run_triton(kw: dict[str, Any], backend: TritonBackend, device: str = "cpu") 
     out_dtype = torch.bfloat16 if kw["q"].dtype == torch.float8_e4m3fn else kw["q"].dtype
     out = torch.full(kw["q"].shape, float("nan"), dtype=out_dtype, device=device)
     lse = torch.full(kw["q"].shape[:2], float("nan"), device=device)
-    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len)
-    backend.run(backend.plan(problem, tables), inputs, out, lse)
+    backend.run_step(problem, inputs, out, lse)
     return out.cpu(), lse.cpu()
 
 
@@ -102,8 +100,7 @@ def test_triton_edge_rows_and_strided_out(gen: torch.Generator) -> None:
     lse_buf = torch.full((12, 10), float("nan"))
     backend = TritonBackend(num_splits=3)
     out, lse = out_buf[:, :, 8:72], lse_buf[:, 1:9]
-    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=3)
-    backend.run(backend.plan(problem, tables), inputs, out, lse)
+    backend.run_step(problem, inputs, out, lse)
     assert_matches_reference(kw, out, lse, rtol=2**-7)
     assert torch.isnan(out_buf[:, :, :8]).all() and torch.isnan(lse_buf[:, 9:]).all()
     empty = [0, 1, 2, 3, 9, 10, 11]  # request 0; request 1's first row (position -1); request 3
@@ -178,9 +175,7 @@ def test_triton_without_lse(layout: str, splits: int, dedup: bool, gen: torch.Ge
     kw = built.kwargs
     problem, inputs = check_decode_inputs(**kw)
     out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16)
-    tables = StepTables.build(inputs.block_table, inputs.seq_lens, decode_query_len=problem.query_len)
-    backend = TritonBackend(num_splits=splits, dedup=dedup)
-    backend.run(backend.plan(problem, tables), inputs, out, None)
+    TritonBackend(num_splits=splits, dedup=dedup).run_step(problem, inputs, out)
     ref_out = msa.sparse_decode(**kw, backend="reference")
     assert not torch.isnan(out).any(), "unwritten (poisoned) elements"
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=2e-4)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from msa.backends.base import Backend
+from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
 from msa.planner import DecodePlanner
 from msa.platform import detect
@@ -22,13 +22,13 @@ from msa.validation import check_decode_data, check_decode_inputs, check_flag, v
 __all__ = ["sparse_decode", "select_backend", "available_backends"]
 
 
-def available_backends() -> list[Backend]:
+def available_backends() -> list[AnyBackend]:
     """Every registered backend that loads, highest priority first (a backend whose factory
     fails is skipped; `msa backends` shows it with its error)."""
     return get_registry().backends()
 
 
-def select_backend(problem: DecodeProblem, backend: str = "auto") -> Backend:
+def select_backend(problem: DecodeProblem, backend: str = "auto") -> AnyBackend:
     """The backend that will run `problem` on its device (see `msa.policy`).
 
     Raises:

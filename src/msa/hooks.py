@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import pluggy
 
-from msa.backends.base import Backend
+from msa.backends.base import AnyBackend
 
 __all__ = ["PROJECT", "hookspec", "hookimpl", "BackendRecord", "PluginFailure", "MSAHookSpecs"]
 
@@ -32,7 +32,7 @@ class BackendRecord:
     """
 
     name: str
-    factory: Callable[[], Backend]
+    factory: Callable[[], AnyBackend]
     priority: int = 0
     source: str = ""
     aliases: tuple[str, ...] = ()

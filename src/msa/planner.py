@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 import torch
 
-from msa.backends.base import Backend
+from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
 from msa.layouts import get_layout
 from msa.planning import PlanCache, StepTables
@@ -61,26 +61,17 @@ __all__ = ["PlanKey", "DecodePlan", "DecodePlanner"]
 
 @attrs.frozen
 class PlanKey:
-    """What makes two steps share a plan (a frozen, hashable value)."""
+    """What makes two steps share a plan (a frozen, hashable value): the step's shape as the
+    policy saw it (`DecodePlan.problem`), the backend chosen for it, and the device."""
 
-    batch_size: int
-    query_len: int
-    table_stride: int
-    geometry: Geometry
-    kv_layout: str
+    problem: DecodeProblem
     backend: str
     device: str
-    q_dtype: torch.dtype
-    with_lse: bool
-    ragged: bool = False
-    num_rows: int = 0
 
     def describe(self) -> str:
-        ragged = f", ragged {self.num_rows} rows" if self.ragged else ""
-        return (
-            f"B={self.batch_size}, L={self.query_len}{ragged}, {self.geometry.describe()}, "
-            f"{self.kv_layout}, backend {self.backend}"
-        )
+        p = self.problem
+        ragged = f", ragged {p.num_rows} rows" if p.ragged else ""
+        return f"B={p.batch_size}, L={p.query_len}{ragged}, {p.geometry.describe()}, {p.kv_layout}, backend {self.backend}"
 
 
 @attrs.define(eq=False)
@@ -91,13 +82,14 @@ class DecodePlan:
     Attributes:
         key: the shape it serves.
         backend: the backend that runs it.
-        problem: the step as the policy saw it.
+        problem: the step's shape as the policy saw it (`key.problem`; `num_pages` and
+            `max_blocks` are 0: a plan does not depend on them).
         tables: block table, lengths and row metadata (refreshed by every `plan` call).
         backend_plan: the backend's own plan (workspaces, library plans).
     """
 
     key: PlanKey
-    backend: Backend
+    backend: AnyBackend
     problem: DecodeProblem
     tables: StepTables
     backend_plan: Any
@@ -189,8 +181,8 @@ class DecodePlanner:
         self.platform = platform if platform is not None else detect(self.device)
         self.policy = policy
         self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
-        self.kv_layout = "bfloat16" if self.layout.name == "auto" else self.layout.name
-        self._chosen: dict[tuple[int, int, int, int | None], str] = {}
+        self.kv_layout = self.layout.resolve(output_dtype(q_dtype)).name
+        self._shapes: dict[tuple[int, int, int, int | None], PlanKey] = {}
         self._token = object()  # marks the plans this planner made
         self._busy = threading.Lock()
 
@@ -200,22 +192,32 @@ class DecodePlanner:
             f"device={self.device}, {self.plans.stats()})"
         )
 
-    def _problem(self, batch: int, length: int, table: torch.Tensor, rows: int | None = None) -> DecodeProblem:
-        return DecodeProblem(
-            geometry=self.geometry,
-            batch_size=batch,
-            query_len=length,
-            kv_layout=self.kv_layout,
-            q_dtype=self.q_dtype,
-            out_dtype=output_dtype(self.q_dtype),
-            device_type=self.device.type,
-            num_pages=0,  # not known before the cache is seen; kernels take it from the cache
-            max_blocks=table.shape[1],
-            return_lse=self.with_lse,
-            block_table_stride=table.stride(0),
-            ragged=rows is not None,
-            total_rows=rows,
-        )
+    def _key(self, batch: int, length: int, stride: int, rows: int | None, policy: SelectionPolicy) -> PlanKey:
+        """The plan key of a step shape; the policy is asked once per shape (its choice depends
+        on the shape alone)."""
+        shape = (batch, length, stride, rows)
+        key = self._shapes.get(shape)
+        if key is None:
+            problem = DecodeProblem(
+                geometry=self.geometry,
+                batch_size=batch,
+                query_len=length,
+                kv_layout=self.kv_layout,
+                q_dtype=self.q_dtype,
+                out_dtype=output_dtype(self.q_dtype),
+                device_type=self.device.type,
+                num_pages=0,
+                max_blocks=0,
+                return_lse=self.with_lse,
+                block_table_stride=stride,
+                ragged=rows is not None,
+                total_rows=rows,
+            )
+            chosen, _ = policy.select(problem, self.platform, self.backend_name)
+            if len(self._shapes) > 4 * self.plans.max_plans:
+                self._shapes.clear()
+            key = self._shapes[shape] = PlanKey(problem, chosen.name, str(self.device))
+        return key
 
     def plan(
         self,
@@ -260,51 +262,24 @@ class DecodePlanner:
         seq_lens_cpu: torch.Tensor | None = None,
     ) -> DecodePlan:
         """`plan()` on checked tables (the one-shot path checks them once, beforehand)."""
-        batch, stride = lens.shape[0], table.stride(0)
         policy = self.policy if self.policy is not None else default_policy()
-        shape = (batch, decode_query_len, stride, ragged_rows)
-        name = self._chosen.get(shape)
-        if name is None:  # the policy's choice depends on the shape only: ask once per shape
-            problem = self._problem(batch, decode_query_len, table, ragged_rows)
-            chosen, _ = policy.select(problem, self.platform, self.backend_name)
-            if len(self._chosen) > 4 * self.plans.max_plans:
-                self._chosen.clear()
-            name = self._chosen[shape] = chosen.name
-        key = PlanKey(
-            batch_size=batch,
-            query_len=decode_query_len,
-            table_stride=stride,
-            geometry=self.geometry,
-            kv_layout=self.kv_layout,
-            backend=name,
-            device=str(self.device),
-            q_dtype=self.q_dtype,
-            with_lse=self.with_lse,
-            ragged=ragged_rows is not None,
-            num_rows=ragged_rows if ragged_rows is not None else batch * decode_query_len,
-        )
-
+        key = self._key(lens.shape[0], decode_query_len, table.stride(0), ragged_rows, policy)
         created = False
 
         def create() -> DecodePlan:
             nonlocal created
             created = True
-            problem = self._problem(batch, decode_query_len, table, ragged_rows)
-            backend = policy.registry.get(name)
+            backend = policy.registry.get(key.backend)
             tables = StepTables.build(
-                table, lens, decode_query_len=decode_query_len, seq_lens_cpu=seq_lens_cpu,
-                query_start_loc=query_start_loc, num_rows=ragged_rows,
+                key.problem, table, lens, query_start_loc=query_start_loc, seq_lens_cpu=seq_lens_cpu
             )
-            return DecodePlan(key, backend, problem, tables, backend.plan(problem, tables), self._token)
+            return DecodePlan(key, backend, key.problem, tables, backend.plan(key.problem, tables), self._token)
 
         plan = self.plans.get_or_create(key, create)
         plan.thread = threading.get_ident()
         if not created:  # a cached plan, or a released one still held: refresh it in place
-            tables = plan.tables
-            tables.block_table, tables.seq_lens, tables.seq_lens_cpu = table, lens, seq_lens_cpu
-            tables.query_start_loc = query_start_loc
-            tables.rows.refresh(lens, query_start_loc)
-            plan.backend.refresh(plan.backend_plan, tables)
+            plan.tables.update(table, lens, query_start_loc=query_start_loc, seq_lens_cpu=seq_lens_cpu)
+            plan.backend.refresh(plan.backend_plan, plan.tables)
         return plan
 
     def run(
@@ -344,7 +319,7 @@ class DecodePlanner:
             topk_indices,
             tables.block_table,
             tables.seq_lens,
-            decode_query_len=plan.key.query_len,
+            decode_query_len=plan.problem.query_len,
             kv_cache_dtype=self.kv_cache_dtype,
             sm_scale=sm_scale,
             q_scale=q_scale,
@@ -412,4 +387,4 @@ class DecodePlanner:
         with self._exclusive():
             for plan in self.plans.clear():
                 plan.retired = True
-            self._chosen.clear()
+            self._shapes.clear()

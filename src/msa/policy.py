@@ -1,8 +1,8 @@
 """The selection policy: which backend runs a step, and why every other one does not.
 
 `SelectionPolicy` holds the priority order (the registry's, highest priority first, unless
-given) and the rules applied to each backend's declared capabilities. `backend="auto"` takes the
-first backend with no reasons; a named backend (or `MSA_BACKEND=name` in the environment) must
+given) and asks each backend for its reasons (`Backend.not_supported_reasons`: what the machine
+lacks, then what the step asks for). `backend="auto"` takes the first backend with no reasons; a named backend (or `MSA_BACKEND=name` in the environment) must
 qualify or the call raises with its reasons — never a silent fallback.
 
 A plugin's fault never breaks selection: a backend whose factory failed, or whose
@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from msa.backends.base import Backend
-from msa.backends.capabilities import DEFAULT_RULES, Rule
+from msa.backends.base import AnyBackend
 from msa.errors import MSAPluginError, MSAUnsupportedError
 from msa.hooks import PluginFailure
 from msa.platform import Platform
@@ -97,12 +96,11 @@ class Selection:
 
 
 class SelectionPolicy:
-    """Priority order + rules -> `Selection`.
+    """Priority order + every backend's reasons -> `Selection`.
 
     Args:
         registry: where backends come from (default: the process-wide registry).
         order: backend names in the order to try (default: the registry's priorities).
-        rules: the rules applied to each backend's capabilities.
         environ: where to read `MSA_BACKEND` (default: `os.environ`).
     """
 
@@ -111,12 +109,10 @@ class SelectionPolicy:
         registry: BackendRegistry | None = None,
         *,
         order: Sequence[str] | None = None,
-        rules: Sequence[Rule] = DEFAULT_RULES,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.registry = registry if registry is not None else get_registry()
         self._order = [self.registry.resolve(n) for n in order] if order is not None else None
-        self.rules = tuple(rules)
         self.environ = environ
 
     def order(self) -> list[str]:
@@ -140,7 +136,7 @@ class SelectionPolicy:
             failure = self.registry.broken[record.name]
             return Verdict(record.name, (f"failed to load: {failure.error}",), record.priority, record.source, failure)
         try:
-            reasons = backend.not_supported_reasons(problem, platform, requested=requested, rules=self.rules)
+            reasons = backend.not_supported_reasons(problem, platform, requested=requested)
         except Exception as exc:  # a plugin's bug must not break selection
             error = f"its not_supported_reasons raised {type(exc).__name__}: {exc}"
             log.warning("msa backend %r (%s) skipped: %s", record.name, record.source, error)
@@ -183,7 +179,7 @@ class SelectionPolicy:
 
     def select(
         self, problem: DecodeProblem, platform: Platform, backend: str = "auto"
-    ) -> tuple[Backend, Selection]:
+    ) -> tuple[AnyBackend, Selection]:
         """The backend that runs `problem`, and the selection that chose it.
 
         Raises:

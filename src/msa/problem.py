@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from msa.errors import MSAInputError
+from msa.layouts import KVLayout, get_layout
 
 __all__ = ["Geometry", "DecodeProblem", "MINIMAX_M3", "MINIMAX_M3_TP"]
 
@@ -95,12 +96,13 @@ class DecodeProblem:
         geometry: the rank's heads, head dim, page size and top-k.
         batch_size: decode requests in the step (`B`).
         query_len: query tokens per request (`L`).
-        kv_layout: canonical layout name ("bfloat16", "float16", "fp8_e4m3", "nvfp4").
+        kv_layout: canonical layout name ("bfloat16", "float16", "fp8_e4m3", "nvfp4"); the
+            layout itself is `layout`.
         q_dtype: dtype of `q`.
         out_dtype: dtype of `out` (`q`'s dtype; bf16 when `q` is fp8).
         device_type: "cuda", "cpu", ...
-        num_pages: physical pages in the cache.
-        max_blocks: columns of `block_table`.
+        num_pages: physical pages in the cache (0 in a plan's problem: plans do not depend on it).
+        max_blocks: columns of `block_table` (0 in a plan's problem, likewise).
         return_lse: whether the caller asked for the log-sum-exp.
         block_table_stride: elements between rows of `block_table` (None: `max_blocks`).
         ragged: query lengths come from `query_start_loc`; `query_len` is then their maximum.
@@ -120,6 +122,11 @@ class DecodeProblem:
     block_table_stride: int | None = None
     ragged: bool = False
     total_rows: int | None = None
+
+    @property
+    def layout(self) -> KVLayout:
+        """The cache layout (what kernels ask about the cache's format)."""
+        return get_layout(self.kv_layout)
 
     @property
     def table_stride(self) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import pluggy
 
-from msa.backends.base import Backend
+from msa.backends.base import AnyBackend, Backend
 from msa.errors import MSAInputError, MSAPluginError
 from msa.hooks import PROJECT, BackendRecord, MSAHookSpecs, PluginFailure, hookimpl, hookspec
 
@@ -106,7 +106,7 @@ class BackendRegistry:
         self.not_loaded: list[str] = []
         self._records: dict[str, BackendRecord] = {}
         self._aliases: dict[str, str] = {}
-        self._instances: dict[str, Backend] = {}
+        self._instances: dict[str, AnyBackend] = {}
         self._plugin_of: dict[str, str] = {}  # backend name -> the plugin that offered it
         self._required: set[str] = set()  # plugins named in MSA_PLUGINS or registered in code
 
@@ -243,7 +243,7 @@ class BackendRegistry:
     def record(self, name: str) -> BackendRecord:
         return self._records[self.resolve(name)]
 
-    def get(self, name: str) -> Backend:
+    def get(self, name: str) -> AnyBackend:
         """The backend instance for `name`, built by its factory on first use.
 
         Raises:
@@ -280,7 +280,7 @@ class BackendRegistry:
         self.broken[record.name] = PluginFailure(record.name, record.source, error, exc, required=required)
         log.warning("msa backend %r (%s) skipped: %s", record.name, record.source, error)
 
-    def backends(self) -> list[Backend]:
+    def backends(self) -> list[AnyBackend]:
         """Every backend that loads, highest priority first (broken factories skipped)."""
         found = []
         for name in self.names():

@@ -41,6 +41,7 @@ class DecodeInputs:
     """The checked tensors and scales of one decode step (shapes as in docs/semantics.md §2).
 
     Attributes:
+        problem: the step's shape (what `check_decode_inputs` also returns).
         q: `[B*L, Hq, D]`.
         kv_cache: the cache, in `layout`.
         topk_indices: int32 `[Hkv, B*L, K]`, any strides.
@@ -54,6 +55,7 @@ class DecodeInputs:
             `[qsl[b], qsl[b+1])`), else None.
     """
 
+    problem: DecodeProblem
     q: torch.Tensor
     kv_cache: torch.Tensor
     topk_indices: torch.Tensor
@@ -284,6 +286,7 @@ def check_decode_inputs(
         total_rows=rows if starts is not None else None,
     )
     inputs = DecodeInputs(
+        problem=problem,
         q=q_t,
         kv_cache=cache,
         topk_indices=indices,

@@ -4,22 +4,29 @@ the step), `plan` and `run`."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from msa.backends.capabilities import DEFAULT_RULES, Capabilities, Rule
+from msa.backends.capabilities import Capabilities
 from msa.planning import StepTables
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
-__all__ = ["Backend"]
+__all__ = ["AnyBackend", "Backend", "PlanT"]
+
+#: The type of a backend's own plan (what `plan` returns and `refresh` / `run` take).
+PlanT = TypeVar("PlanT")
 
 
-class Backend(abc.ABC):
-    """A sparse-decode implementation.
+class Backend(abc.ABC, Generic[PlanT]):
+    """A sparse-decode implementation, generic in the type of its own plan.
+
+    Refusals have two homes: what the machine lacks (`platform_reasons`: the capabilities'
+    machine rules plus `machine_reasons`) and what the step asks for that the backend does not
+    support (`problem_reasons`: the step rules plus `extra_reasons`). `msa backends` shows the
+    first, `msa explain` and the selection policy both.
 
     Attributes:
         name: the name users pass as `backend=`.
@@ -38,63 +45,35 @@ class Backend(abc.ABC):
         """The version of the library behind the backend ("" when it is msa itself)."""
         return ""
 
-    def platform_reasons(
-        self, platform: Platform, *, requested: bool = False, rules: Sequence[Rule] = DEFAULT_RULES
-    ) -> list[str]:
-        """Why this backend cannot run on `platform` at all, whatever the step (empty when it
-        can): the machine rules (those that refuse without a step) and `machine_reasons`. This is
-        what `msa backends` shows; `not_supported_reasons` starts with the same list.
+    def platform_reasons(self, platform: Platform, *, requested: bool = False) -> list[str]:
+        """Why this backend cannot run on `platform` at all, whatever the step (empty: it can).
 
         Args:
             platform: the machine.
             requested: the caller names this backend (some run on a machine only when asked for).
-            rules: the rules to apply to `capabilities` (the policy's).
         """
-        reasons = [
-            reason
-            for rule in rules
-            if (reason := rule(self.capabilities, None, platform, requested)) is not None
-        ]
-        return reasons + self.machine_reasons(platform, requested=requested)
+        return self.capabilities.machine_reasons(platform, requested) + self.machine_reasons(
+            platform, requested=requested
+        )
 
     def problem_reasons(
-        self,
-        problem: DecodeProblem,
-        platform: Platform,
-        *,
-        requested: bool = False,
-        rules: Sequence[Rule] = DEFAULT_RULES,
+        self, problem: DecodeProblem, platform: Platform, *, requested: bool = False
     ) -> list[str]:
-        """Why this backend cannot run the step `problem` (empty when it can), leaving out the
-        machine-level refusals (`platform_reasons`): the step rules and `extra_reasons`."""
-        reasons = [
-            reason
-            for rule in rules
-            if rule(self.capabilities, None, platform, requested) is None
-            and (reason := rule(self.capabilities, problem, platform, requested)) is not None
-        ]
-        return reasons + self.extra_reasons(problem, platform, requested=requested)
+        """Why this backend cannot run the step `problem` (empty: it can), leaving out what the
+        machine lacks (`platform_reasons`). `platform` is there for rules that depend on both
+        (a batch floor that differs per compute capability)."""
+        return self.capabilities.step_reasons(problem, requested) + self.extra_reasons(
+            problem, platform, requested=requested
+        )
 
     def not_supported_reasons(
-        self,
-        problem: DecodeProblem | None,
-        platform: Platform,
-        *,
-        requested: bool = False,
-        rules: Sequence[Rule] = DEFAULT_RULES,
+        self, problem: DecodeProblem | None, platform: Platform, *, requested: bool = False
     ) -> list[str]:
         """Why this backend cannot run `problem` on `platform` (empty when it can): the machine's
-        reasons (`platform_reasons`), then the step's (`problem_reasons`).
-
-        Args:
-            problem: the step, or None to ask about the machine alone.
-            platform: the machine.
-            requested: the caller named this backend (some run only when asked for).
-            rules: the rules to apply to `capabilities` (the policy's).
-        """
-        reasons = self.platform_reasons(platform, requested=requested, rules=rules)
+        reasons, then the step's (None: the machine alone)."""
+        reasons = self.platform_reasons(platform, requested=requested)
         if problem is not None:
-            reasons += self.problem_reasons(problem, platform, requested=requested, rules=rules)
+            reasons += self.problem_reasons(problem, platform, requested=requested)
         return reasons
 
     def machine_reasons(self, platform: Platform, *, requested: bool = False) -> list[str]:
@@ -104,26 +83,36 @@ class Backend(abc.ABC):
     def extra_reasons(
         self, problem: DecodeProblem, platform: Platform, *, requested: bool = False
     ) -> list[str]:
-        """Backend-specific refusals of the step beyond the declared capabilities (override;
-        refusals that depend on the machine alone belong in `machine_reasons`)."""
+        """Backend-specific refusals of the step beyond the declared capabilities (override)."""
         return []
 
     @abc.abstractmethod
-    def plan(self, problem: DecodeProblem, tables: StepTables) -> Any:
+    def plan(self, problem: DecodeProblem, tables: StepTables) -> PlanT:
         """Prepare a step shape (outside CUDA-graph capture): allocate workspaces and metadata
         sized for `problem`. Called once per shape; the planner caches the result."""
 
-    def refresh(self, plan: Any, tables: StepTables) -> None:
+    def refresh(self, plan: PlanT, tables: StepTables) -> None:
         """Bring `plan`'s device metadata up to date with `tables`, in place (outside capture,
         every step; device work only). The planner has already refreshed `tables.rows`."""
 
     @abc.abstractmethod
     def run(
         self,
-        plan: Any,
+        plan: PlanT,
         inputs: DecodeInputs,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
         """Compute the step into `out` `[B*L, Hq, D]` (and `lse` `[B*L, Hq]` when given).
         Capturable: allocates nothing, never synchronises, never copies to the host."""
+
+    def run_step(
+        self, problem: DecodeProblem, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None = None
+    ) -> None:
+        """Plan and run one checked step without a planner (tests and benchmarks that force a
+        backend's options). `problem, inputs` come from `msa.validation.check_decode_inputs`."""
+        self.run(self.plan(problem, StepTables.for_inputs(problem, inputs)), inputs, out, lse)
+
+
+#: Any backend, whatever its plan type (what the registry holds).
+AnyBackend = Backend[Any]

@@ -1,11 +1,10 @@
 """What a backend supports, as data, and the rules that turn those data into refusal reasons.
 
-Each rule reads a backend's `Capabilities`, the step (`DecodeProblem`, or None to ask about the
-machine alone) and the machine (`Platform`) and returns a reason (a sentence) or None. A rule
-that gives a reason without a step is a machine rule: `Backend.platform_reasons` reports it (what
-`msa backends` shows); the others are step rules, reported by `Backend.problem_reasons`. The
-selection policy holds the list of rules; `Backend.not_supported_reasons` applies it (machine
-first) and adds the backend's own checks.
+Two kinds of rule, each with one home here: machine rules read the `Platform` alone (device kind,
+compute capability, packages) — what `msa backends` shows for this machine; step rules read the
+`DecodeProblem` alone (layout, dtypes, geometry, query length, batch, LSE, ragged). Each returns
+a sentence or None. `Capabilities.machine_reasons` and `Capabilities.step_reasons` apply them;
+`Backend` adds its own checks beside them.
 """
 
 from __future__ import annotations
@@ -18,13 +17,7 @@ import torch
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 
-__all__ = [
-    "Capabilities",
-    "Rule",
-    "PLATFORM_RULES",
-    "PROBLEM_RULES",
-    "DEFAULT_RULES",
-]
+__all__ = ["Capabilities", "MachineRule", "StepRule", "MACHINE_RULES", "STEP_RULES"]
 
 
 def _names(values: frozenset[int] | frozenset[str] | tuple[int, ...]) -> str:
@@ -55,6 +48,9 @@ class Capabilities:
         min_batch_exempt_layouts: ... except for these layouts.
         lse: can return the log-sum-exp.
         ragged: takes per-request query lengths (`query_start_loc`).
+
+    Every default claims nothing that was not tested: a backend declares LSE and ragged support
+    itself.
     """
 
     device_types: frozenset[str] | None = None
@@ -75,21 +71,31 @@ class Capabilities:
     max_rows: int | None = None
     min_batch: int | None = None
     min_batch_exempt_layouts: frozenset[str] = frozenset()
-    lse: bool = True
+    lse: bool = False
     ragged: bool = False
 
+    def machine_reasons(self, platform: Platform, requested: bool = False) -> list[str]:
+        """Why a backend with these capabilities cannot run on `platform` at all."""
+        return [r for rule in MACHINE_RULES if (r := rule(self, platform, requested)) is not None]
 
-#: A rule: (capabilities, problem or None, platform, requested by name) -> reason or None.
-Rule = Callable[[Capabilities, "DecodeProblem | None", Platform, bool], "str | None"]
+    def step_reasons(self, problem: DecodeProblem, requested: bool = False) -> list[str]:
+        """Why a backend with these capabilities cannot run the step `problem`."""
+        return [r for rule in STEP_RULES if (r := rule(self, problem, requested)) is not None]
 
 
-def device_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+#: A machine rule: (capabilities, platform, requested by name) -> reason or None.
+MachineRule = Callable[[Capabilities, Platform, bool], "str | None"]
+#: A step rule: (capabilities, step, requested by name) -> reason or None.
+StepRule = Callable[[Capabilities, DecodeProblem, bool], "str | None"]
+
+
+def device_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
     if c.device_types is not None and pf.device_type not in c.device_types:
         return f"runs on {_names(c.device_types)}, not {pf.device_type}"
     return None
 
 
-def capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+def capability_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
     if c.capability_families is None:
         return None
     families = "/".join(f"{f}.x" for f in sorted(c.capability_families))
@@ -100,23 +106,21 @@ def capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requ
     return None
 
 
-def min_capability_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+def min_capability_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
     if c.min_capability is None or pf.capability is None or pf.capability >= c.min_capability:
         return None
     low, have = c.min_capability, pf.capability
     return f"needs compute capability >= {low[0]}.{low[1]}, this device is {have[0]}.{have[1]}"
 
 
-def package_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+def package_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
     missing = [name for name in c.packages if not pf.has(name)]
     if missing:
         return "needs the package(s) " + ", ".join(missing) + ", not installed"
     return None
 
 
-def layout_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is None:
-        return None
+def layout_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
     if p.kv_layout not in c.kv_layouts:
         return f"reads {_names(c.kv_layouts)} caches, not {p.kv_layout}"
     if not requested and c.auto_layouts is not None and p.kv_layout not in c.auto_layouts:
@@ -127,19 +131,15 @@ def layout_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requeste
     return None
 
 
-def q_dtype_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is not None and p.q_dtype not in c.q_dtypes:
+def q_dtype_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if p.q_dtype not in c.q_dtypes:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in c.q_dtypes))
         return f"takes q in {names}, not {str(p.q_dtype).removeprefix('torch.')}"
     return None
 
 
-def heads_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is None:
-        return None
+def heads_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
     g = p.geometry
-    if g.num_q_heads % g.num_kv_heads:
-        return f"Hq={g.num_q_heads} is not a multiple of Hkv={g.num_kv_heads}"
     if c.max_q_heads is not None and g.num_q_heads > c.max_q_heads:
         return f"needs Hq <= {c.max_q_heads}, got {g.num_q_heads}"
     if c.max_kv_heads is not None and g.num_kv_heads > c.max_kv_heads:
@@ -149,15 +149,13 @@ def heads_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested
     return None
 
 
-def head_dim_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is not None and c.head_dims is not None and p.geometry.head_dim not in c.head_dims:
+def head_dim_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if c.head_dims is not None and p.geometry.head_dim not in c.head_dims:
         return f"needs head dim in {{{_names(c.head_dims)}}}, got {p.geometry.head_dim}"
     return None
 
 
-def page_size_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is None:
-        return None
+def page_size_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
     size = p.geometry.page_size
     if c.page_sizes is not None and size not in c.page_sizes:
         return f"needs page size in {{{_names(c.page_sizes)}}}, got {size}"
@@ -166,21 +164,21 @@ def page_size_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, reque
     return None
 
 
-def topk_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is not None and c.topks is not None and p.geometry.topk not in c.topks:
+def topk_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if c.topks is not None and p.geometry.topk not in c.topks:
         return f"needs top-k in {{{_names(c.topks)}}}, got {p.geometry.topk}"
     return None
 
 
-def query_len_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
+def query_len_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
     low, high = c.query_lens
-    if p is not None and not low <= p.query_len <= high:
+    if not low <= p.query_len <= high:
         return f"needs {low} <= L <= {high} query tokens per request, got {p.query_len}"
     return None
 
 
-def row_budget_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is None or c.max_rows is None:
+def row_budget_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if c.max_rows is None:
         return None
     rows = p.batch_size * p.query_len * p.geometry.num_q_heads
     if rows > c.max_rows:
@@ -188,8 +186,8 @@ def row_budget_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requ
     return None
 
 
-def batch_floor_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is None or c.min_batch is None or p.kv_layout in c.min_batch_exempt_layouts:
+def batch_floor_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if c.min_batch is None or p.kv_layout in c.min_batch_exempt_layouts:
         return None
     if p.batch_size < c.min_batch:
         exempt = (
@@ -201,22 +199,22 @@ def batch_floor_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, req
     return None
 
 
-def lse_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is not None and p.return_lse and not c.lse:
+def lse_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if p.return_lse and not c.lse:
         return "does not return the log-sum-exp"
     return None
 
 
-def ragged_rule(c: Capabilities, p: DecodeProblem | None, pf: Platform, requested: bool) -> str | None:
-    if p is not None and p.ragged and not c.ragged:
+def ragged_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if p.ragged and not c.ragged:
         return "takes one query length for every request, not ragged ones (query_start_loc)"
     return None
 
 
 #: Rules that depend on the machine alone (what `msa backends` shows).
-PLATFORM_RULES: tuple[Rule, ...] = (device_rule, capability_rule, min_capability_rule, package_rule)
-#: Rules that depend on the step.
-PROBLEM_RULES: tuple[Rule, ...] = (
+MACHINE_RULES: tuple[MachineRule, ...] = (device_rule, capability_rule, min_capability_rule, package_rule)
+#: Rules that depend on the step alone.
+STEP_RULES: tuple[StepRule, ...] = (
     layout_rule,
     q_dtype_rule,
     heads_rule,
@@ -229,5 +227,3 @@ PROBLEM_RULES: tuple[Rule, ...] = (
     lse_rule,
     ragged_rule,
 )
-#: Every rule, machine first.
-DEFAULT_RULES: tuple[Rule, ...] = PLATFORM_RULES + PROBLEM_RULES

@@ -26,38 +26,17 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.backends.external import (
-    host_float,
-    import_library,
-    library_version,
-    nvfp4_slot_views,
-    split_kv_views,
-)
+from msa.backends.external import host_float, import_library, library_version
 from msa.planning import RowMetadata, StepTables, compact_topk
 from msa.platform import Platform
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
-__all__ = ["CutlassSM100Backend", "CutlassPlan", "CutlassPlanKey", "LIBRARY", "ROW_BUDGET"]
+__all__ = ["CutlassSM100Backend", "CutlassPlan", "LIBRARY", "ROW_BUDGET"]
 
 LIBRARY = "fmha_sm100"
 #: The library's limit on query-head rows per plan (`B * L * Hq`).
 ROW_BUDGET = 65536
-
-
-@attrs.frozen
-class CutlassPlanKey:
-    """What makes two steps share a library plan."""
-
-    batch_size: int
-    query_len: int
-    table_stride: int
-    num_q_heads: int
-    num_kv_heads: int
-    page_size: int
-    topk: int
-    kv_layout: str
-    device: str
 
 
 @attrs.define(eq=False)
@@ -65,7 +44,7 @@ class CutlassPlan:
     """A cached library plan and the buffers msa owns beside it.
 
     Attributes:
-        key: the shape it serves.
+        problem: the step shape it serves (the planner's plan key holds the same).
         library_plan: what `fmha_sm100_plan` returned (passed back to `fmha_sm100`).
         decode: the library plan's decode dictionary (`kv_page_indptr`, `kv_segment_lens`,
             `qo_offset`, ...), whose buffers msa rewrites in place.
@@ -74,7 +53,7 @@ class CutlassPlan:
         out: bf16 `[B*L, Hq, D]` staging output for callers whose `out` is not contiguous.
     """
 
-    key: CutlassPlanKey
+    problem: DecodeProblem
     library_plan: Any
     decode: dict[str, Any]
     rows: RowMetadata
@@ -82,7 +61,7 @@ class CutlassPlan:
     out: torch.Tensor
 
 
-class CutlassSM100Backend(Backend):
+class CutlassSM100Backend(Backend[CutlassPlan]):
     """MSA's `fmha_sm100` kernels (Blackwell, compute capability 10.x), FP8 and NVFP4 caches."""
 
     name = "cutlass_sm100"
@@ -119,45 +98,30 @@ class CutlassSM100Backend(Backend):
     def _library(self) -> ModuleType:
         return import_library(self.name, LIBRARY)
 
-    @staticmethod
-    def plan_key(problem: DecodeProblem, device: torch.device) -> CutlassPlanKey:
-        g = problem.geometry
-        return CutlassPlanKey(
-            batch_size=problem.batch_size,
-            query_len=problem.query_len,
-            table_stride=problem.table_stride,
-            num_q_heads=g.num_q_heads,
-            num_kv_heads=g.num_kv_heads,
-            page_size=g.page_size,
-            topk=g.topk,
-            kv_layout=problem.kv_layout,
-            device=str(device),
-        )
-
     def plan(self, problem: DecodeProblem, tables: StepTables) -> CutlassPlan:
         """A library plan for this shape (the planner caches it) with msa's buffers beside it."""
         device = tables.seq_lens.device
-        key = self.plan_key(problem, device)
+        g = problem.geometry
         lib = self._library()
-        b, length, stride = key.batch_size, key.query_len, key.table_stride
+        b, length, stride = problem.batch_size, problem.query_len, problem.table_stride
         rows = b * length
         qo_lens = torch.full((b,), length, dtype=torch.int32)
         # Read once, when the shape is first planned: the library schedules every row for
         # top-k * P tokens, so later steps only refresh lengths and offsets in place.
         kv_lens = tables.seq_lens_cpu if tables.seq_lens_cpu is not None else tables.seq_lens.to("cpu")
-        extra = {"kv_dtype": "nvfp4"} if key.kv_layout == "nvfp4" else {}
+        extra = {"kv_dtype": "nvfp4"} if problem.layout.block_scaled else {}
         library_plan = lib.fmha_sm100_plan(
             qo_lens,
             kv_lens,
-            key.num_q_heads,
-            num_kv_heads=key.num_kv_heads,
+            g.num_q_heads,
+            num_kv_heads=g.num_kv_heads,
             qo_offset=kv_lens - qo_lens,
-            page_size=key.page_size,
+            page_size=g.page_size,
             output_maxscore=False,
-            kv_block_num=key.topk,
+            kv_block_num=g.topk,
             causal=True,
             sparse_kernel_mode="decode",
-            use_fp8_kvcache=key.kv_layout == "fp8_e4m3",
+            use_fp8_kvcache=not problem.layout.block_scaled,
             split_prefill_decode=False,
             device=device,
             **extra,
@@ -167,49 +131,37 @@ class CutlassSM100Backend(Backend):
         starts = torch.arange(rows + 1, device=device, dtype=torch.int32) // length * stride
         decode["kv_page_indptr"].copy_(starts)
         plan = CutlassPlan(
-            key=key,
+            problem=problem,
             library_plan=library_plan,
             decode=decode,
-            rows=RowMetadata(
-                b, length, device, kv_lens=decode["kv_segment_lens"], q_pos=decode["qo_offset"]
+            rows=RowMetadata.for_problem(
+                problem, device, kv_lens=decode["kv_segment_lens"], q_pos=decode["qo_offset"]
             ),
-            topk=torch.empty((rows, key.num_kv_heads, key.topk), dtype=torch.int32, device=device),
-            out=torch.empty(
-                (rows, key.num_q_heads, problem.geometry.head_dim), dtype=torch.bfloat16, device=device
-            ),
+            topk=torch.empty((rows, g.num_kv_heads, g.topk), dtype=torch.int32, device=device),
+            out=torch.empty((rows, g.num_q_heads, g.head_dim), dtype=torch.bfloat16, device=device),
         )
         self.refresh(plan, tables)
         return plan
 
-    def refresh(self, plan: Any, tables: StepTables) -> None:
+    def refresh(self, plan: CutlassPlan, tables: StepTables) -> None:
         """Rewrite the library plan's `kv_segment_lens` and `qo_offset` from `seq_lens`, in place."""
-        p: CutlassPlan = plan
-        p.rows.refresh(tables.seq_lens)
+        plan.rows.refresh(tables.seq_lens)
 
     def run(
-        self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None
+        self, plan: CutlassPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None
     ) -> None:
-        p: CutlassPlan = plan
-        key = p.key
+        p, problem = plan, plan.problem
         lib = self._library()
-        compact_topk(
-            inputs.topk_indices,
-            inputs.block_table,
-            inputs.seq_lens,
-            decode_query_len=key.query_len,
-            page_size=key.page_size,
-            num_pages=inputs.kv_cache.shape[0],
-            out=p.topk.transpose(0, 1),
-        )
-        if key.kv_layout == "nvfp4":
-            k, v = nvfp4_slot_views(inputs.kv_cache)
+        compact_topk(inputs, p.topk.transpose(0, 1))
+        layout = problem.layout
+        k, v = layout.kv_views(inputs.kv_cache)
+        if layout.block_scaled:
             k_scale: Any = inputs.k_scale
             v_scale: Any = inputs.v_scale
         else:
-            k, v = split_kv_views(inputs.kv_cache)
             k_scale, v_scale = host_float(inputs.k_scale), host_float(inputs.v_scale)
         table = inputs.block_table
-        flat_table = table.as_strided(((key.batch_size - 1) * key.table_stride + table.shape[1],), (1,))
+        flat_table = table.as_strided(((problem.batch_size - 1) * problem.table_stride + table.shape[1],), (1,))
         target = out if out.is_contiguous() else p.out
         lib.fmha_sm100(
             inputs.q,

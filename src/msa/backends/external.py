@@ -11,7 +11,7 @@ import torch
 from msa.errors import MSAUnsupportedError
 from msa.scales import Scale
 
-__all__ = ["import_library", "library_version", "host_float", "split_kv_views", "nvfp4_slot_views"]
+__all__ = ["import_library", "library_version", "host_float"]
 
 
 def import_library(backend: str, module: str) -> ModuleType:
@@ -34,14 +34,3 @@ def library_version(distribution: str) -> str:
 def host_float(value: Scale) -> float:
     """A scale as a python float (a tensor is read from the device: not inside graph capture)."""
     return float(value) if isinstance(value, torch.Tensor) else value
-
-
-def split_kv_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views `[pages, Hkv, P, D]` of a split cache `[pages, Hkv, P, 2D]` (no copy)."""
-    d = cache.shape[-1] // 2
-    return cache[..., :d], cache[..., d:]
-
-
-def nvfp4_slot_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V head-slot views `[pages, Hkv, P, D/2 + D/16]` of an NVFP4 cache (no copy)."""
-    return cache[:, 0::2], cache[:, 1::2]

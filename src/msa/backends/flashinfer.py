@@ -16,7 +16,7 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.backends.external import host_float, import_library, library_version, split_kv_views
+from msa.backends.external import host_float, import_library, library_version
 from msa.planning import StepTables, compact_topk
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
@@ -28,15 +28,15 @@ LIBRARY = "flashinfer.msa_ops"
 
 @attrs.define(eq=False)
 class FlashInferPlan:
-    """Attributes: `key` (batch, L, heads, layout, device), `workspace` (the library's graph
+    """Attributes: `problem` (the step shape it serves), `workspace` (the library's graph
     workspace, or None where the library has none), `indices` int32 `[Hkv, B*L, K]`."""
 
-    key: tuple[Any, ...]
+    problem: DecodeProblem
     workspace: Any
     indices: torch.Tensor
 
 
-class FlashInferBackend(Backend):
+class FlashInferBackend(Backend[FlashInferPlan]):
     """FlashInfer `msa_ops` sparse decode (SM100 family, FP8)."""
 
     name = "flashinfer"
@@ -64,32 +64,22 @@ class FlashInferBackend(Backend):
     def plan(self, problem: DecodeProblem, tables: StepTables) -> FlashInferPlan:
         g = problem.geometry
         device = tables.seq_lens.device
-        key = (problem.batch_size, problem.query_len, g.num_q_heads, g.num_kv_heads, problem.kv_layout, str(device))
         lib = self._library()
         factory = getattr(lib, "MSASparseAttentionWorkspace", None)
         return FlashInferPlan(
-            key=key,
+            problem=problem,
             workspace=factory(device) if factory is not None else None,
             indices=torch.empty((g.num_kv_heads, problem.num_rows, g.topk), dtype=torch.int32, device=device),
         )
 
     def run(
-        self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None
+        self, plan: FlashInferPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None
     ) -> None:
-        p: FlashInferPlan = plan
-        length = p.key[1]
+        p = plan
+        length = p.problem.query_len
         lib = self._library()
-        cache = inputs.kv_cache
-        compact_topk(
-            inputs.topk_indices,
-            inputs.block_table,
-            inputs.seq_lens,
-            decode_query_len=length,
-            page_size=cache.shape[2],
-            num_pages=cache.shape[0],
-            out=p.indices,
-        )
-        k, v = split_kv_views(cache)
+        compact_topk(inputs, p.indices)
+        k, v = p.problem.layout.kv_views(inputs.kv_cache)
         result = lib.msa_sparse_decode_attention(
             inputs.q,
             k,

@@ -3,8 +3,6 @@ checked against — written for clarity, vectorized over rows, chunked to bound 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from msa.backends.base import Backend
@@ -27,7 +25,7 @@ def _product(a: Scale, b: Scale, device: torch.device) -> Scale:
     return a * b
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(Backend[DecodeProblem]):
     """float32 torch on any device: every layout, geometry, query length and LSE."""
 
     name = "reference"
@@ -35,6 +33,7 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         query_lens=(1, 2**31 - 1),
+        lse=True,
         ragged=True,
     )
 
@@ -43,24 +42,16 @@ class ReferenceBackend(Backend):
 
     def run(
         self,
-        plan: Any,
+        plan: DecodeProblem,
         inputs: DecodeInputs,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
-        problem: DecodeProblem = plan
+        problem = plan
         g = problem.geometry
         hkv, group, p, d = g.num_kv_heads, g.group_size, g.page_size, g.head_dim
         device = inputs.q.device
-        used, block, page, visible = resolve_entries(
-            inputs.topk_indices,
-            inputs.block_table,
-            inputs.seq_lens,
-            decode_query_len=problem.query_len,
-            page_size=p,
-            num_pages=inputs.kv_cache.shape[0],
-            query_start_loc=inputs.query_start_loc,
-        )
+        used, block, page, visible = resolve_entries(inputs)
         score_scale = _product(inputs.sm_scale, inputs.q_scale, device)
         q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]
         heads = torch.arange(hkv, device=device).view(hkv, 1, 1)

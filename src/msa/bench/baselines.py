@@ -10,28 +10,25 @@ import torch
 
 from msa.layouts import KVLayout
 from msa.planning import resolve_entries
+from msa.validation import check_decode_inputs
 
 __all__ = ["gather_pages", "torch_gather_attend", "flex_attend"]
 
 
 def gather_pages(kw: dict[str, Any], layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected pages as bf16 `(K, V)` `[R, Hkv, K*P, D]` and the visible-token mask `[R, Hkv, K*P]`."""
-    q, cache, ids = kw["q"], kw["kv_cache"], kw["topk_indices"]
+    q, cache = kw["q"], kw["kv_cache"]
     shape = layout.inspect(cache)
-    used, block, page, visible = resolve_entries(
-        ids, kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"],
-        page_size=shape.page_size, num_pages=shape.num_pages,
-    )
+    used, block, page, visible = resolve_entries(check_decode_inputs(**kw)[1])
     hkv = shape.num_kv_heads
     heads = torch.arange(hkv, device=q.device).view(hkv, 1, 1)
-    if layout.name == "nvfp4":
+    if layout.block_scaled:
         k, v = layout.gather(cache, page, heads, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
         k, v = k.bfloat16(), v.bfloat16()
-    else:
-        rows = cache[page, heads]  # [Hkv, R, K, P, 2D] storage dtype
-        d = shape.head_dim
-        k = (rows[..., :d].to(torch.bfloat16) * kw["k_scale"].to(torch.bfloat16))
-        v = (rows[..., d:].to(torch.bfloat16) * kw["v_scale"].to(torch.bfloat16))
+    else:  # [Hkv, R, K, P, D] in the storage dtype, scaled in bf16
+        keys, values = layout.kv_views(cache)
+        k = keys[page, heads].to(torch.bfloat16) * kw["k_scale"].to(torch.bfloat16)
+        v = values[page, heads].to(torch.bfloat16) * kw["v_scale"].to(torch.bfloat16)
     token = block.unsqueeze(-1) * shape.page_size + torch.arange(shape.page_size, device=q.device)
     mask = used.unsqueeze(-1) & (token < visible.view(1, -1, 1, 1))
     k = k.flatten(2, 3).transpose(0, 1)  # [R, Hkv, K*P, D]

@@ -56,10 +56,7 @@ def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
     """Bytes a step must move: the visible tokens of the selected pages (K + V, scales included)
     plus q and out."""
     g, layout = step.geometry, step.layout
-    used, block, _, visible = resolve_entries(
-        kw["topk_indices"], kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"],
-        page_size=g.page_size, num_pages=step.kv_cache.shape[0],
-    )
+    used, block, _, visible = resolve_entries(check_decode_inputs(**kw)[1])
     tokens = (visible.view(1, -1, 1) - block * g.page_size).clamp(0, g.page_size) * used
     q = kw["q"]
     return int(int(tokens.sum()) * layout.bytes_per_token(g.head_dim) + q.numel() * q.element_size() + q.numel() * 2)
@@ -70,10 +67,7 @@ def unique_bytes(kw: dict[str, Any], step: DecodeStep) -> tuple[int, float]:
     request's rows — plus q and out; the realized overlap: the fraction of a token's selected
     blocks the previous token of its request also selected)."""
     g, length = step.geometry, kw["decode_query_len"]
-    used, block, _, visible = resolve_entries(
-        kw["topk_indices"], kw["block_table"], kw["seq_lens"], decode_query_len=length,
-        page_size=g.page_size, num_pages=step.kv_cache.shape[0],
-    )
+    used, block, _, visible = resolve_entries(check_decode_inputs(**kw)[1])
     hkv, rows, k = used.shape
     batch = rows // length
     tokens = (visible.view(1, -1, 1) - block * g.page_size).clamp(0, g.page_size) * used
@@ -117,8 +111,7 @@ def _time_strategy(strategy: str, kw: dict[str, Any], timer: Timer, graph: bool)
 
     backend = TritonBackend(dedup=strategy == "dedup")
     problem, inputs = check_decode_inputs(**kw)
-    tables = StepTables.build(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
-    plan = backend.plan(problem, tables)
+    plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))
     out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
 
     return _eager_and_graph(lambda: backend.run(plan, inputs, out, None), timer, graph), out

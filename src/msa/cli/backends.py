@@ -18,6 +18,7 @@ from msa.layouts import LAYOUT_NAMES, get_layout
 from msa.platform import OPTIONAL_PACKAGES, Platform, detect
 from msa.policy import SelectionPolicy, Verdict
 from msa.problem import MINIMAX_M3, DecodeProblem, Geometry
+from msa.validation import output_dtype
 from msa.registry import BackendRegistry, get_registry
 
 __all__ = ["add_parsers"]
@@ -138,16 +139,17 @@ def run_backends(args: argparse.Namespace) -> int:
 def run_explain(args: argparse.Namespace) -> int:
     num_q_heads, num_kv_heads = args.heads
     geometry = Geometry(num_q_heads, num_kv_heads, args.head_dim, args.page_size, args.topk)
-    layout = get_layout(args.kv_dtype)
     q_dtype = _Q_DTYPES[args.q_dtype]
+    out_dtype = output_dtype(q_dtype)
+    layout = get_layout(args.kv_dtype).resolve(out_dtype)
     platform = _platform(args)
     problem = DecodeProblem(
         geometry=geometry,
         batch_size=args.batch,
         query_len=args.query_len,
-        kv_layout="bfloat16" if layout.name == "auto" else layout.name,
+        kv_layout=layout.name,
         q_dtype=q_dtype,
-        out_dtype=torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype,
+        out_dtype=out_dtype,
         device_type=platform.device_type,
         num_pages=1 << 20,
         max_blocks=1 << 10,

@@ -17,7 +17,7 @@ import torch
 from msa.errors import MSAInputError
 from msa.layouts.base import CacheShape, KVLayout
 from msa.layouts.nvfp4 import NVFP4, NVFP4HeadSlotLayout
-from msa.layouts.split import BFLOAT16, FLOAT16, FP8_E4M3, SplitLayout
+from msa.layouts.split import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, SplitLayout
 
 __all__ = [
     "CacheShape",
@@ -33,9 +33,6 @@ __all__ = [
     "get_layout",
     "layout_for_cache",
 ]
-
-#: The split layout whose storage follows the model dtype (bf16 or fp16); allocates bf16.
-AUTO = SplitLayout("auto", torch.bfloat16, (torch.bfloat16, torch.float16))
 
 _BY_NAME: dict[str, KVLayout] = {
     "auto": AUTO,
@@ -90,8 +87,6 @@ def layout_for_cache(cache: torch.Tensor, kv_cache_dtype: str | None = None) -> 
                 cache.dtype,
             )
         return _BY_CACHE_DTYPE[cache.dtype]
-    layout = get_layout(kv_cache_dtype)
-    if layout is AUTO and cache.dtype in AUTO.accepted_dtypes:
-        return _BY_CACHE_DTYPE[cache.dtype]
+    layout = get_layout(kv_cache_dtype).resolve(cache.dtype)
     layout.inspect(cache)  # raises on a dtype that disagrees with the name
     return layout

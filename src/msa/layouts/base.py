@@ -48,17 +48,35 @@ class KVLayout(abc.ABC):
     """A KV-cache layout (docs/semantics.md §4). Instances are stateless and shared.
 
     Attributes:
-        name: the canonical name ("bfloat16", "float16", "fp8_e4m3", "nvfp4").
+        name: the canonical name ("bfloat16", "float16", "fp8_e4m3", "nvfp4"; "auto" until
+            `resolve`d).
         storage_dtype: the dtype `allocate` uses.
         accepted_dtypes: cache dtypes this layout reads and writes.
+        quantized: stored values are scaled (`k_scale` / `v_scale` dequantize them).
+        block_scaled: values are 4-bit E2M1 codes with an E4M3 scale per 16 elements (NVFP4):
+            a reader decodes them itself; otherwise K and V are plain elements of the storage
+            dtype, read and converted.
     """
 
     name: str
     storage_dtype: torch.dtype
     accepted_dtypes: tuple[torch.dtype, ...]
+    quantized: bool = False
+    block_scaled: bool = False
 
     def __repr__(self) -> str:
         return f"<KVLayout {self.name}>"
+
+    def resolve(self, dtype: torch.dtype) -> KVLayout:
+        """The concrete layout for a cache (or model) of `dtype`: itself, except for the "auto"
+        layout, which follows the model dtype (bf16 or fp16)."""
+        return self
+
+    @abc.abstractmethod
+    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of the keys and the values, each `[pages, Hkv, P, W]` with the unit
+        last stride of the cache: `W = D` for the split layouts, the `D/2 + D/16` bytes of a
+        head slot for NVFP4."""
 
     # -- geometry ---------------------------------------------------------------------------
     @abc.abstractmethod

@@ -112,6 +112,11 @@ class NVFP4HeadSlotLayout(KVLayout):
     name = "nvfp4"
     storage_dtype = torch.uint8
     accepted_dtypes = (torch.uint8,)
+    quantized = True
+    block_scaled = True
+
+    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache[:, 0::2], cache[:, 1::2]
 
     def cache_shape(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int

@@ -9,7 +9,7 @@ from msa.errors import MSAInputError
 from msa.layouts.base import CacheShape, KVLayout, SlotWrite
 from msa.scales import Scale, apply_scale, check_scale
 
-__all__ = ["SplitLayout", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
+__all__ = ["SplitLayout", "AUTO", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
 
 #: The largest finite float8_e4m3fn value; the FP8 writer saturates to it.
 FP8_E4M3_MAX = 448.0
@@ -19,11 +19,26 @@ class SplitLayout(KVLayout):
     """K and V of a token side by side in one row of `2*D` elements."""
 
     def __init__(
-        self, name: str, storage_dtype: torch.dtype, accepted: tuple[torch.dtype, ...]
+        self,
+        name: str,
+        storage_dtype: torch.dtype,
+        accepted: tuple[torch.dtype, ...],
+        *,
+        quantized: bool = False,
+        concrete: dict[torch.dtype, KVLayout] | None = None,
     ) -> None:
         self.name = name
         self.storage_dtype = storage_dtype
         self.accepted_dtypes = accepted
+        self.quantized = quantized
+        self._concrete = concrete or {}
+
+    def resolve(self, dtype: torch.dtype) -> KVLayout:
+        return self._concrete.get(dtype, self)
+
+    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = cache.shape[-1] // 2
+        return cache[..., :d], cache[..., d:]
 
     def cache_shape(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int
@@ -95,16 +110,20 @@ class SplitLayout(KVLayout):
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        d = cache.shape[-1] // 2
-        rows = cache[pages, heads]  # [*S, P, 2D]
+        keys, values = self.kv_views(cache)
         k = check_scale("k_scale", k_scale, cache.device)
         v = check_scale("v_scale", v_scale, cache.device)
         return (
-            apply_scale(rows[..., :d].float(), k),
-            apply_scale(rows[..., d:].float(), v),
+            apply_scale(keys[pages, heads].float(), k),  # [*S, P, D]
+            apply_scale(values[pages, heads].float(), v),
         )
 
 
 BFLOAT16 = SplitLayout("bfloat16", torch.bfloat16, (torch.bfloat16,))
 FLOAT16 = SplitLayout("float16", torch.float16, (torch.float16,))
-FP8_E4M3 = SplitLayout("fp8_e4m3", torch.float8_e4m3fn, (torch.float8_e4m3fn,))
+FP8_E4M3 = SplitLayout("fp8_e4m3", torch.float8_e4m3fn, (torch.float8_e4m3fn,), quantized=True)
+#: The split layout whose storage follows the model dtype (bf16 or fp16); allocates bf16.
+AUTO = SplitLayout(
+    "auto", torch.bfloat16, (torch.bfloat16, torch.float16),
+    concrete={torch.bfloat16: BFLOAT16, torch.float16: FLOAT16},
+)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from msa.platform import triton_available
+from msa.problem import DecodeProblem
 from msa.semantics import request_starts, row_positions
 
 __all__ = ["RowMetadata"]
@@ -55,6 +56,22 @@ class RowMetadata:
                 raise ValueError(
                     f"{name}: expected int32 [{self.num_rows}], got {buf.dtype} {tuple(buf.shape)}"
                 )
+
+    @classmethod
+    def for_problem(
+        cls,
+        problem: DecodeProblem,
+        device: torch.device | str,
+        *,
+        kv_lens: torch.Tensor | None = None,
+        q_pos: torch.Tensor | None = None,
+    ) -> RowMetadata:
+        """Buffers for the rows of a step of shape `problem` (optionally into a kernel library's
+        own `kv_lens` / `q_pos` buffers)."""
+        return cls(
+            problem.batch_size, problem.query_len, device, num_rows=problem.num_rows, ragged=problem.ragged,
+            kv_lens=kv_lens, q_pos=q_pos,
+        )
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {

@@ -6,13 +6,15 @@ import attrs
 import torch
 
 from msa.planning.refresh import RowMetadata
+from msa.problem import DecodeProblem
+from msa.validation import DecodeInputs
 
 __all__ = ["StepTables"]
 
 
 @attrs.define(eq=False)
 class StepTables:
-    """The step's tables as of the latest `plan` call.
+    """The step's tables as of the latest `plan` call (the shape is the plan's `DecodeProblem`).
 
     Attributes:
         block_table: int32 `[B, max_blocks]` on the device.
@@ -33,16 +35,32 @@ class StepTables:
     @classmethod
     def build(
         cls,
+        problem: DecodeProblem,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
-        decode_query_len: int,
-        seq_lens_cpu: torch.Tensor | None = None,
         query_start_loc: torch.Tensor | None = None,
-        num_rows: int | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
     ) -> StepTables:
-        """Tables with fresh row metadata (what the planner does for a new shape)."""
-        ragged = query_start_loc is not None
-        rows = RowMetadata(seq_lens.shape[0], decode_query_len, seq_lens.device, num_rows=num_rows, ragged=ragged)
+        """Tables with fresh row metadata for a step of shape `problem` (a new plan)."""
+        rows = RowMetadata.for_problem(problem, seq_lens.device)
         rows.refresh(seq_lens, query_start_loc)
         return cls(block_table, seq_lens, seq_lens_cpu, rows, query_start_loc)
+
+    @classmethod
+    def for_inputs(cls, problem: DecodeProblem, inputs: DecodeInputs) -> StepTables:
+        """The tables of a checked step (`msa.validation.check_decode_inputs`)."""
+        return cls.build(problem, inputs.block_table, inputs.seq_lens, query_start_loc=inputs.query_start_loc)
+
+    def update(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        query_start_loc: torch.Tensor | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        """This step's tensors, and the row metadata refreshed from them in place."""
+        self.block_table, self.seq_lens, self.seq_lens_cpu = block_table, seq_lens, seq_lens_cpu
+        self.query_start_loc = query_start_loc
+        self.rows.refresh(seq_lens, query_start_loc)

@@ -34,7 +34,7 @@ class TritonPlan:
     rows: RowMetadata
 
 
-class TritonBackend(Backend):
+class TritonBackend(Backend[TritonPlan]):
     """Split-K (flash-decoding) Triton kernels over the selected pages, with in-kernel dequant."""
 
     name = "triton"
@@ -74,7 +74,7 @@ class TritonBackend(Backend):
             problem.geometry,
             problem.num_rows,
             sm_count,
-            kv_layout=problem.kv_layout,
+            layout=problem.layout,
             batch_size=problem.batch_size,
             query_len=problem.query_len,
             **overrides,
@@ -85,6 +85,5 @@ class TritonBackend(Backend):
         config = self.config_for(problem, device)
         return TritonPlan(problem, config, Workspace(problem, config, device), tables.rows)
 
-    def run(self, plan: Any, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        p: TritonPlan = plan
-        launch_decode(p.problem, inputs, p.rows, out, lse, p.config, p.workspace)
+    def run(self, plan: TritonPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        launch_decode(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import attrs
 
+from msa.layouts import BFLOAT16, KVLayout
 from msa.problem import Geometry
 
 __all__ = ["LaunchConfig", "choose_config"]
@@ -57,7 +58,7 @@ def choose_config(
     num_rows: int,
     sm_count: int,
     *,
-    kv_layout: str = "bfloat16",
+    layout: KVLayout = BFLOAT16,
     batch_size: int | None = None,
     query_len: int = 1,
     dedup: bool | None = None,
@@ -81,11 +82,11 @@ def choose_config(
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
-    quantized = kv_layout in ("fp8_e4m3", "nvfp4")
+    quantized = layout.quantized
     tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
     if dedup is None:
-        dedup = dedup_pays(g, kv_layout, query_len, batch_size or 0, sm_count)
-    dedup = dedup and dedup_supported(g, kv_layout, query_len)
+        dedup = dedup_pays(g, layout, query_len, batch_size or 0, sm_count)
+    dedup = dedup and dedup_supported(g, layout, query_len)
     token_chunks = -(-query_len // tokens) if dedup else 1
     batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
     if dedup:
@@ -99,7 +100,7 @@ def choose_config(
         num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
     wide = not quantized and num_splits == 1 and g.head_dim <= 128
     if block_n is None:
-        whole_pages = num_splits == 1 and g.head_dim <= 128 and kv_layout != "nvfp4"
+        whole_pages = num_splits == 1 and g.head_dim <= 128 and not layout.block_scaled
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
@@ -126,13 +127,13 @@ def choose_config(
     )
 
 
-def dedup_supported(geometry: Geometry, kv_layout: str, query_len: int) -> bool:
-    """The dedup kernel serves split layouts (bf16, fp16, fp8) whose GQA group leaves room for
-    two or more query tokens in a 128-row tile."""
-    return kv_layout != "nvfp4" and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
+def dedup_supported(geometry: Geometry, layout: KVLayout, query_len: int) -> bool:
+    """The dedup kernel serves layouts of plain elements (bf16, fp16, fp8) whose GQA group leaves
+    room for two or more query tokens in a 128-row tile."""
+    return not layout.block_scaled and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
 
 
-def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int, batch_size: int, sm_count: int) -> bool:
+def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int) -> bool:
     """The policy, from shapes only (the overlap between tokens is not known without reading the
     indices): dedup for L = 3 or 4 once (request, KV head) programs fill the SMs.
 
@@ -142,7 +143,7 @@ def dedup_pays(geometry: Geometry, kv_layout: str, query_len: int, batch_size: i
     0.26x..1.18x. Without overlap at L = 4 it is 0.75x (fp8) / 0.83x (bf16) at B=64: the price of
     choosing it without seeing the indices."""
     return (
-        dedup_supported(geometry, kv_layout, query_len)
+        dedup_supported(geometry, layout, query_len)
         and 3 <= query_len <= 4
         and batch_size * geometry.num_kv_heads >= sm_count
     )

@@ -109,7 +109,7 @@ def launch_decode(
             ENTRIES_PAD=config.entries_pad, **flags,
         )
     else:
-        kernel = nvfp4_decode_kernel if problem.kv_layout == "nvfp4" else split_decode_kernel
+        kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
         grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
         kernel[grid](
             q, cache, topk, table, rows.row_request, rows.q_pos, *common,
