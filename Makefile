@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.msa-installed
 
-.PHONY: demo test typecheck pytest clean
+.PHONY: demo test test-slow typecheck pytest clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/msa demo
 
 pytest: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# the cases marked slow (larger interpreter runs; every kernel path is also covered by `make test`)
+test-slow: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m slow
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict src

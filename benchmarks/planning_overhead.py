@@ -6,9 +6,10 @@ time of the row-metadata refresh it launches (Triton kernel; torch ops for compa
 
 from __future__ import annotations
 
+import functools
 import statistics
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,7 +32,9 @@ def kernel_us(fn: Callable[[], object], reps: int = 200) -> float:
 
 print(f"{'B':>4} {'L':>2} {'plan host us (median)':>22} {'refresh GPU us (triton)':>24} {'refresh GPU us (torch)':>23}")
 for batch, length in ((1, 1), (64, 1), (256, 1), (64, 4), (1024, 1)):
-    step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, context_len=1024, kv_cache_dtype="fp8_e4m3", device="cuda", seed=0)
+    step = make_decode_step(
+        msa.MINIMAX_M3, batch_size=batch, context_len=1024, kv_cache_dtype="fp8_e4m3", device="cuda", seed=0
+    )
     planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", backend="triton", device="cuda")
     plan = planner.plan(step.block_table, step.seq_lens, decode_query_len=length)
     samples = []
@@ -42,6 +45,6 @@ for batch, length in ((1, 1), (64, 1), (256, 1), (64, 4), (1024, 1)):
     torch.cuda.synchronize()
     host = statistics.median(samples[200:])
     rows = plan.tables.rows
-    gpu_triton = kernel_us(lambda: rows.refresh(step.seq_lens, kernel=True))
-    gpu_torch = kernel_us(lambda: rows.refresh(step.seq_lens, kernel=False))
+    gpu_triton = kernel_us(functools.partial(rows.refresh, step.seq_lens, kernel=True))
+    gpu_torch = kernel_us(functools.partial(rows.refresh, step.seq_lens, kernel=False))
     print(f"{batch:>4} {length:>2} {host:>22.1f} {gpu_triton:>24.2f} {gpu_torch:>23.2f}", flush=True)

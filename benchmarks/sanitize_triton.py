@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import msa  # noqa: E402
 from hostile import LAYOUTS, make_hostile  # type: ignore[import-not-found]  # noqa: E402
+
+import msa  # noqa: E402
 from msa.backends.triton import TritonBackend  # noqa: E402
 from msa.validation import check_decode_inputs  # noqa: E402
 from msa.workload import make_decode_step  # noqa: E402

@@ -4,6 +4,7 @@ eager and CUDA-graph replay:  PYTHONPATH=src python3 benchmarks/tune_splits.py -
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -26,7 +27,9 @@ gen = torch.Generator(device="cuda")
 gen.manual_seed(0)
 rows = []
 for layout in ("fp8_e4m3", "bfloat16", "nvfp4"):
-    step = make_decode_step(msa.MINIMAX_M3, batch_size=128, context_len=65536, kv_cache_dtype=layout, device="cuda", seed=0)
+    step = make_decode_step(
+        msa.MINIMAX_M3, batch_size=128, context_len=65536, kv_cache_dtype=layout, device="cuda", seed=0
+    )
     for batch, options in ((1, (4, 8, 16, 32)), (16, (2, 4, 8, 16)), (64, (1, 2, 4, 8)), (128, (1, 2, 4))):
         kw = _case(step, batch, 1, gen)
         n_bytes = step_bytes(kw, step)
@@ -41,13 +44,26 @@ for layout in ("fp8_e4m3", "bfloat16", "nvfp4"):
                 out = torch.empty_like(ref)
                 be.run(plan, inputs, out, None)
                 err = (out.float() - ref.float()).abs().max().item()
-                eager = timer.eager(lambda: be.run(plan, inputs, out, None))
-                graph = timer.graph(lambda: be.run(plan, inputs, out, None))
-                row = dict(layout=layout, batch=batch, splits=plan.config.num_splits, block_n=bn, eager=eager, graph=graph,
-                           frac=n_bytes / graph / 1e3 / copy, err=err)
+                eager = timer.eager(functools.partial(be.run, plan, inputs, out, None))
+                graph = timer.graph(functools.partial(be.run, plan, inputs, out, None))
+                row = dict(
+                    layout=layout,
+                    batch=batch,
+                    splits=plan.config.num_splits,
+                    block_n=bn,
+                    eager=eager,
+                    graph=graph,
+                    frac=n_bytes / graph / 1e3 / copy,
+                    err=err,
+                )
                 rows.append(row)
-                print(f"{layout:9s} B={batch:3d} splits={row['splits']:2d} bn={bn:3d} eager {eager:7.1f} us graph {graph:7.1f} us "
-                      f"{row['frac']:.2f} of copy err {err:.1e}", flush=True)
+                print(
+                    f"{layout:9s} B={batch:3d} splits={row['splits']:2d} bn={bn:3d} "
+                    f"eager {eager:7.1f} us graph {graph:7.1f} us "
+                    f"{row['frac']:.2f} of copy err {err:.1e}",
+                    flush=True,
+                )
     del step
     torch.cuda.empty_cache()
-json.dump(dict(copy=copy, rows=rows), open(f"{args.out}/splits.json", "w"), indent=1)
+with open(f"{args.out}/splits.json", "w") as f:
+    json.dump(dict(copy=copy, rows=rows), f, indent=1)

@@ -9,6 +9,7 @@ with L2 flushed (triton.testing.do_bench, median) and checks it against the refe
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -44,11 +45,19 @@ def main() -> None:
     copy_bw = 2 * src.numel() / copy_ms / 1e6
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     results = []
-    variants = [dict(block_n=bn, num_stages=st, num_warps=w) for bn, st, w in itertools.product((64, 128), (2, 3, 4), (4, 8))]
+    variants = [
+        dict(block_n=bn, num_stages=st, num_warps=w) for bn, st, w in itertools.product((64, 128), (2, 3, 4), (4, 8))
+    ]
     for layout in ("bfloat16", "fp8_e4m3", "nvfp4"):
         t0 = time.time()
-        step = make_decode_step(msa.MINIMAX_M3, batch_size=256, context_len=args.context, kv_cache_dtype=layout, device="cuda", seed=0)
-        print(f"{layout}: built in {time.time() - t0:.1f}s, cache {step.kv_cache.numel() * step.kv_cache.element_size() / 2**30:.1f} GiB", flush=True)
+        step = make_decode_step(
+            msa.MINIMAX_M3, batch_size=256, context_len=args.context, kv_cache_dtype=layout, device="cuda", seed=0
+        )
+        print(
+            f"{layout}: built in {time.time() - t0:.1f}s, "
+            f"cache {step.kv_cache.numel() * step.kv_cache.element_size() / 2**30:.1f} GiB",
+            flush=True,
+        )
         computes = ("fp16", "bf16") if layout != "bfloat16" else ("fp16",)
         for batch in (1, 64, 256):
             kw = sub_step(step.kwargs(), batch)
@@ -58,7 +67,11 @@ def main() -> None:
             assert isinstance(ref, torch.Tensor)
             visible = batch * 4 * 16 * 128  # every selected page fully visible but the last one
             n_bytes = visible * step.layout.bytes_per_token(128) + 2 * ref.numel() * 2
-            these = variants if batch == 64 else [dict(block_n=64, num_stages=3, num_warps=4), dict(block_n=128, num_stages=2, num_warps=8)]
+            these = (
+                variants
+                if batch == 64
+                else [dict(block_n=64, num_stages=3, num_warps=4), dict(block_n=128, num_stages=2, num_warps=8)]
+            )
             for variant, compute in itertools.product(these, computes):
                 splits_options = (None,) if batch != 1 else (None, 8, 16, 32)
                 for splits in splits_options:
@@ -68,15 +81,34 @@ def main() -> None:
                         out = torch.empty_like(ref)
                         be.run(plan, inputs, out, None)
                         err = (out.float() - ref.float()).abs().max().item()
-                        ms = triton.testing.do_bench(lambda: be.run(plan, inputs, out, None), return_mode="median")
+                        ms = triton.testing.do_bench(
+                            functools.partial(be.run, plan, inputs, out, None), return_mode="median"
+                        )
                     except Exception as exc:  # a config that does not compile (shared memory)
-                        print(f"  {layout} B={batch} {variant} {compute} splits={splits}: FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        print(
+                            f"  {layout} B={batch} {variant} {compute} splits={splits}: "
+                            f"FAILED {type(exc).__name__}: {str(exc)[:120]}",
+                            flush=True,
+                        )
                         continue
-                    row = dict(layout=layout, batch=batch, compute=compute, splits=plan.config.num_splits, us=ms * 1e3,
-                               gbps=n_bytes / ms / 1e6, frac=n_bytes / ms / 1e6 / copy_bw, err=err, **variant)
+                    row = dict(
+                        layout=layout,
+                        batch=batch,
+                        compute=compute,
+                        splits=plan.config.num_splits,
+                        us=ms * 1e3,
+                        gbps=n_bytes / ms / 1e6,
+                        frac=n_bytes / ms / 1e6 / copy_bw,
+                        err=err,
+                        **variant,
+                    )
                     results.append(row)
-                    print(f"  {layout:9s} B={batch:3d} bn={variant['block_n']:3d} st={variant['num_stages']} w={variant['num_warps']} {compute} splits={row['splits']:2d} "
-                          f"{row['us']:8.1f} us {row['gbps']:6.0f} GB/s {row['frac']:.2f} err={err:.1e}", flush=True)
+                    print(
+                        f"  {layout:9s} B={batch:3d} bn={variant['block_n']:3d} st={variant['num_stages']} "
+                        f"w={variant['num_warps']} {compute} splits={row['splits']:2d} "
+                        f"{row['us']:8.1f} us {row['gbps']:6.0f} GB/s {row['frac']:.2f} err={err:.1e}",
+                        flush=True,
+                    )
         del step
         torch.cuda.empty_cache()
     with open(f"{args.out}/tune.json", "w") as f:

@@ -7,11 +7,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from naive import dequantize, naive_decode
 
 import msa
 from msa.layouts import get_layout
-
-from naive import dequantize, naive_decode
 
 OUT_DTYPE_RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10, torch.float32: 2.0**-20, torch.float64: 1e-12}
 

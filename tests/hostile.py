@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from naive import dequantize, naive_decode
 
 from msa.layouts import get_layout
-from naive import dequantize, naive_decode
 
 LAYOUTS = ("bfloat16", "float16", "fp8_e4m3", "nvfp4")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

@@ -47,10 +47,7 @@ def dequantize(layout: str, cache: torch.Tensor, k_scale: float, v_scale: float)
                 byte = flat[:, side::2, t * (d // 2) + e // 2]
                 code = (byte >> 4) if e % 2 else (byte & 0xF)
                 g = e // 16
-                if side == 0:
-                    pos = t * (d // 16) + g
-                else:
-                    pos = (t // 4) * (4 * d // 16) + g * 4 + t % 4
+                pos = t * (d // 16) + g if side == 0 else (t // 4) * (4 * d // 16) + g * 4 + t % 4
                 s = e4m3_to_float(flat[:, side::2, p * d // 2 + pos])
                 x[:, :, t, e] = e2m1_to_float(code) * s * scale
         out.append(x)

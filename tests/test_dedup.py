@@ -44,9 +44,19 @@ def check(kw: dict[str, Any], out: torch.Tensor, lse: torch.Tensor, atol: float 
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ["bfloat16", "float16", "fp8_e4m3"])
-@pytest.mark.parametrize("length", [2, 4, 8, 32])
-@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def _dedup_cases() -> list[Any]:
+    """Every layout x L x overlap; L = 32 (four token chunks per request, ~20 s each under the
+    interpreter) runs once in the default suite and in full with `-m slow` (`make test-slow`)."""
+    cases = []
+    for layout in ("bfloat16", "float16", "fp8_e4m3"):
+        for length in (2, 4, 8, 32):
+            for overlap in (0.0, 0.5, 1.0):
+                slow = length == 32 and (layout, overlap) != ("bfloat16", 0.5)
+                cases.append(pytest.param(layout, length, overlap, marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+@pytest.mark.parametrize("layout, length, overlap", _dedup_cases())
 def test_dedup_matches_reference(layout: str, length: int, overlap: float, gen: torch.Generator) -> None:
     step = make_decode_step(GEOMETRY, batch_size=2, decode_query_len=length, context_len=130, kv_cache_dtype=layout,
                             q_dtype=torch.float16 if layout == "float16" else torch.bfloat16,
@@ -93,7 +103,7 @@ def test_ragged_query_lengths(dedup: bool, gen: torch.Generator) -> None:
     check(kw, out, lse)
     assert (out[8:] == 0).all() and torch.isneginf(lse[8:]).all()
     # independently: each request alone, as a uniform step, through the reference
-    for b, (lo, hi) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist())):
+    for b, (lo, hi) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), strict=True)):
         if hi == lo:
             continue
         alone = dict(kw, q=kw["q"][lo:hi], topk_indices=kw["topk_indices"][:, lo:hi], seq_lens=kw["seq_lens"][b : b + 1],

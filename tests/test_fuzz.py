@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from cases import assert_close_to_naive
+from hostile import LAYOUTS, Hostile, make_hostile
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
@@ -20,9 +22,6 @@ import msa
 from msa.backends.triton import TritonBackend
 from msa.oracle import dense_masked_attention
 from msa.validation import check_decode_inputs
-
-from cases import assert_close_to_naive
-from hostile import LAYOUTS, Hostile, make_hostile
 
 EXAMPLES = int(os.environ.get("MSA_FUZZ_EXAMPLES", "12"))
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

@@ -60,7 +60,7 @@ def _run(kw: dict[str, Any], backend: str | TritonBackend, starts: list[int]) ->
 def test_request_starts_makes_any_offsets_well_formed() -> None:
     for starts in BAD_STARTS + (GOOD_STARTS,):
         clean = request_starts(torch.tensor(starts, dtype=torch.int32), num_rows=10, decode_query_len=4).tolist()
-        counts = [b - a for a, b in zip(clean, clean[1:])]
+        counts = [b - a for a, b in zip(clean, clean[1:], strict=False)]
         assert 0 <= clean[0] <= clean[-1] <= 10 and all(0 <= c <= 4 for c in counts), (starts, clean)
     assert request_starts(torch.tensor(GOOD_STARTS), 10, 4).tolist() == GOOD_STARTS, "valid offsets unchanged"
 

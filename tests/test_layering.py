@@ -43,7 +43,7 @@ def test_imports_only_point_downward() -> None:
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                names = names[:1] if not node.module == "msa" else names[1:]
+                names = names[:1] if node.module != "msa" else names[1:]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from naive import dequantize as naive_dequantize
 
 from msa.errors import MSAInputError
 from msa.layouts import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, NVFP4, get_layout, layout_for_cache
 from msa.layouts.nvfp4 import E2M1_VALUES, e2m1_encode
-
-from naive import dequantize as naive_dequantize
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_lru_eviction_keeps_held_plans_valid() -> None:
     b = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
     planner.plan(step.block_table, step.seq_lens, decode_query_len=1)  # a is now the most recent
     c = planner.plan(step.block_table, step.seq_lens, decode_query_len=3)
-    assert [k.problem.query_len for k in planner.plans.keys()] == [1, 3], "b, least recently used, went"
+    assert [k.problem.query_len for k in planner.plans.keys()]  # noqa: SIM118 (a list, not a dict view) == [1, 3], "b, least recently used, went"
     assert planner.plans.evictions == 1 and "2/2 plans" in planner.plans.stats()
     # the evicted plan still runs: its buffers live as long as the caller holds it
     kw = _step(length=2).kwargs()
@@ -122,7 +122,7 @@ def test_default_plan_bound_covers_engine_capture_sizes() -> None:
     lens = torch.ones(512, dtype=torch.int32)
     plans = [planner.plan(table[:b], lens[:b], decode_query_len=1) for b in sizes]
     assert planner.plans.evictions == 0
-    assert all(planner.plan(table[:b], lens[:b], decode_query_len=1) is p for b, p in zip(sizes, plans))
+    assert all(planner.plan(table[:b], lens[:b], decode_query_len=1) is p for b, p in zip(sizes, plans, strict=True))
 
 
 def test_run_refuses_a_plan_of_another_planner() -> None:
@@ -335,7 +335,7 @@ def test_captured_graph_keeps_its_plan_across_evictions(gen: torch.Generator) ->
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         planner.run(*args, out=out, **scales)
-    for i in range(10):
+    for _ in range(10):
         for b in (1, 2, 4):  # other shapes push the captured plan out of the cache
             planner.plan(kw["block_table"][:b], kw["seq_lens"][:b], decode_query_len=2)
         _new_step_in_place(step, kw, cuda_gen, blocks)

@@ -7,10 +7,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from cases import Case, assert_close_to_naive, build, run
 
 import msa
-
-from cases import Case, assert_close_to_naive, build, run
 
 LAYOUTS = ("bfloat16", "float16", "fp8_e4m3", "nvfp4")
 QUERY_LENS = (1, 2, 4, 32)

@@ -91,7 +91,7 @@ def test_one_shot_calls_on_several_streams() -> None:
     torch.cuda.synchronize()
     results = []
     for _ in range(20):
-        for kw, stream in zip(steps, streams):
+        for kw, stream in zip(steps, streams, strict=True):
             with torch.cuda.stream(stream):
                 results.append(msa.sparse_decode(**kw))
     torch.cuda.synchronize()

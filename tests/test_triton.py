@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from cases import Case, build
 
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
 from msa.validation import check_decode_inputs
-
-from cases import Case, build
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),

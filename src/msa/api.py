@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -40,6 +40,75 @@ def select_backend(problem: DecodeProblem, backend: str = "auto") -> AnyBackend:
     """
     chosen, _ = default_policy().select(problem, detect(problem.device_type), backend)
     return chosen
+
+
+@overload
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    kv_cache_dtype: str | None = ...,
+    sm_scale: Scale | None = ...,
+    q_scale: Scale = ...,
+    k_scale: Scale = ...,
+    v_scale: Scale = ...,
+    out: torch.Tensor | None = ...,
+    lse: None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    query_start_loc: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    kv_cache_dtype: str | None = ...,
+    sm_scale: Scale | None = ...,
+    q_scale: Scale = ...,
+    k_scale: Scale = ...,
+    v_scale: Scale = ...,
+    out: torch.Tensor | None = ...,
+    lse: torch.Tensor,
+    return_lse: bool = ...,
+    backend: str = ...,
+    validate: bool = ...,
+    query_start_loc: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def sparse_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    kv_cache_dtype: str | None = ...,
+    sm_scale: Scale | None = ...,
+    q_scale: Scale = ...,
+    k_scale: Scale = ...,
+    v_scale: Scale = ...,
+    out: torch.Tensor | None = ...,
+    lse: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+    validate: bool = ...,
+    query_start_loc: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def sparse_decode(

@@ -27,7 +27,7 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
 
     def line(cells: Sequence[str]) -> str:
         parts = [
-            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric, strict=False)
         ]
         return "  ".join(parts).rstrip()
 

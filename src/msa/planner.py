@@ -71,7 +71,8 @@ class PlanKey:
     def describe(self) -> str:
         p = self.problem
         ragged = f", ragged {p.num_rows} rows" if p.ragged else ""
-        return f"B={p.batch_size}, L={p.query_len}{ragged}, {p.geometry.describe()}, {p.kv_layout}, backend {self.backend}"
+        shape = f"B={p.batch_size}, L={p.query_len}{ragged}"
+        return f"{shape}, {p.geometry.describe()}, {p.kv_layout}, backend {self.backend}"
 
 
 @attrs.define(eq=False)
@@ -102,13 +103,16 @@ class DecodePlan:
         return self.tables.rows.buffers()
 
 
-def _check_tables(block_table: object, seq_lens: object, device: torch.device, decode_query_len: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_tables(
+    block_table: object, seq_lens: object, device: torch.device, decode_query_len: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     table = check_tensor("block_table", block_table, device, "the planner's device")
     check_int32("block_table", table, "[B, max_blocks]", 2)
     lens = check_tensor("seq_lens", seq_lens, device, "the planner's device")
     check_int32("seq_lens", lens, "[B]", 1)
     if table.shape[0] != lens.shape[0] or table.shape[1] < 1:
-        raise MSAInputError("block_table", f"shape [{lens.shape[0]}, max_blocks >= 1] (B from seq_lens)", tuple(table.shape))
+        expected = f"shape [{lens.shape[0]}, max_blocks >= 1] (B from seq_lens)"
+        raise MSAInputError("block_table", expected, tuple(table.shape))
     if table.stride(-1) != 1:
         raise MSAInputError("block_table", "unit stride in the last dimension", table.stride())
     if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:

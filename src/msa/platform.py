@@ -38,11 +38,6 @@ class Platform:
     packages: frozenset[str] = frozenset()
     triton_interpret: bool = False
 
-    @property
-    def capability_family(self) -> int | None:
-        """The major compute capability (9 for Hopper, 10 for B200/GB200/B300, 12 for RTX 50)."""
-        return None if self.capability is None else self.capability[0]
-
     def has(self, package: str) -> bool:
         return package in self.packages
 
@@ -50,7 +45,8 @@ class Platform:
         if self.capability is None:
             where = self.device_type
         else:
-            where = f"{self.device_name or self.device_type} (sm_{self.capability[0]}{self.capability[1]}, {self.sm_count} SMs)"
+            sm = f"sm_{self.capability[0]}{self.capability[1]}"
+            where = f"{self.device_name or self.device_type} ({sm}, {self.sm_count} SMs)"
         return where + (", packages: " + ", ".join(sorted(self.packages)) if self.packages else "")
 
     @classmethod
@@ -73,7 +69,7 @@ def _installed(name: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """Whether triton imports (the kernels' host code needs it; checked once)."""
     try:
@@ -83,7 +79,7 @@ def triton_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detect(device_type: str, index: int | None) -> Platform:
     packages = frozenset(p for p in OPTIONAL_PACKAGES if _installed(p))
     interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

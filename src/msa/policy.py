@@ -2,8 +2,9 @@
 
 `SelectionPolicy` holds the priority order (the registry's, highest priority first, unless
 given) and asks each backend for its reasons (`Backend.not_supported_reasons`: what the machine
-lacks, then what the step asks for). `backend="auto"` takes the first backend with no reasons; a named backend (or `MSA_BACKEND=name` in the environment) must
-qualify or the call raises with its reasons — never a silent fallback.
+lacks, then what the step asks for). `backend="auto"` takes the first backend with no reasons;
+a named backend (or `MSA_BACKEND=name` in the environment) must qualify or the call raises with
+its reasons — never a silent fallback.
 
 A plugin's fault never breaks selection: a backend whose factory failed, or whose
 `not_supported_reasons` raised, gets a "failed ..." verdict and is skipped by `auto`; requested by

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Union
 
 import torch
 
@@ -12,7 +11,7 @@ from msa.errors import MSAInputError
 __all__ = ["Scale", "check_scale", "scale_tensor", "apply_scale"]
 
 #: A scale: a python float, or a one-element fp32 tensor on the device of the data it scales.
-Scale = Union[float, torch.Tensor]
+Scale = float | torch.Tensor
 
 
 def check_scale(argument: str, value: object, device: torch.device) -> Scale:

@@ -100,17 +100,19 @@ def check_flag(argument: str, value: object) -> None:
 
 def _span(t: torch.Tensor) -> int:
     """Elements from the first to one past the last element `t` addresses."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 0)
 
 
 def _check_no_self_overlap(argument: str, t: torch.Tensor) -> None:
     """No two elements of `t` share memory (a view with stride 0, or rows that overlap, would
     make the kernel's writes race)."""
     covered = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
         if stride <= covered:
             raise MSAInputError(
-                argument, "a tensor whose elements do not overlap in memory", f"strides {t.stride()} for shape {tuple(t.shape)}"
+                argument,
+                "a tensor whose elements do not overlap in memory",
+                f"strides {t.stride()} for shape {tuple(t.shape)}",
             )
         covered += stride * (size - 1)
 

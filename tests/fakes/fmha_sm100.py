@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from fake_attend import attend, check, check_lists
+
 from msa.layouts import NVFP4
 
 PLAN_CALLS: list[dict[str, Any]] = []

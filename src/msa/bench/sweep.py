@@ -18,9 +18,9 @@ import torch
 from msa.bench.baselines import flex_attend, torch_gather_attend
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
+from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
 from msa.problem import MINIMAX_M3_TP
-from msa.planner import DecodePlanner
 from msa.validation import check_decode_inputs
 from msa.workload import DecodeStep, indexer_topk, make_decode_step
 
@@ -86,7 +86,9 @@ def unique_bytes(kw: dict[str, Any], step: DecodeStep) -> tuple[int, float]:
     return n_bytes, float(shared.sum() / total)
 
 
-def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator, overlap: float | None = None) -> dict[str, Any]:
+def _case(
+    step: DecodeStep, batch: int, length: int, generator: torch.Generator, overlap: float | None = None
+) -> dict[str, Any]:
     """The first `batch` requests of `step`, with `length` query tokens each: fresh q and indices."""
     kw = step.kwargs()
     seq_lens = step.seq_lens[:batch]
@@ -96,7 +98,9 @@ def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator,
         seq_lens=seq_lens,
         block_table=table,
         decode_query_len=length,
-        q=torch.randn((batch * length, g.num_q_heads, g.head_dim), device=seq_lens.device, generator=generator).to(step.q.dtype),
+        q=torch.randn(
+            (batch * length, g.num_q_heads, g.head_dim), device=seq_lens.device, generator=generator
+        ).to(step.q.dtype),
         topk_indices=indexer_topk(
             seq_lens, decode_query_len=length, num_kv_heads=g.num_kv_heads, topk=g.topk,
             page_size=g.page_size, max_blocks=table.shape[1], generator=generator, overlap=overlap,
@@ -105,7 +109,9 @@ def _case(step: DecodeStep, batch: int, length: int, generator: torch.Generator,
     return kw
 
 
-def _time_strategy(strategy: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
+def _time_strategy(
+    strategy: str, kw: dict[str, Any], timer: Timer, graph: bool
+) -> tuple[dict[str, float], torch.Tensor]:
     """Time the triton backend forced to one strategy ("dedup" or "per-token")."""
     from msa.backends.triton import TritonBackend
 
@@ -121,7 +127,9 @@ def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> t
     """Time `DecodePlanner.run` of a planned step (what a serving engine captures)."""
     q = kw["q"]
     problem, _ = check_decode_inputs(**kw)
-    planner = DecodePlanner(problem.geometry, kv_cache_dtype=problem.kv_layout, backend=name, device=q.device, q_dtype=q.dtype)
+    planner = DecodePlanner(
+        problem.geometry, kv_cache_dtype=problem.kv_layout, backend=name, device=q.device, q_dtype=q.dtype
+    )
     plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
     out = torch.empty(q.shape, dtype=problem.out_dtype, device=q.device)
     args = (plan, q, kw["kv_cache"], kw["topk_indices"])
@@ -229,7 +237,8 @@ def _print(row: dict[str, Any], log: Any) -> None:
         extra = (f" [{row['strategy']}, overlap {row['realized_overlap']:.2f}, unique {row['unique_gbps']:.0f} GB/s "
                  f"{row['unique_frac_copy']:.2f}]")
     print(f"  {row['layout']:9s} {row['heads']:5s} B={row['batch']:4d} L={row['query_len']:2d} {row['backend']:9s} "
-          f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} err {row['max_err']:.1e}{extra}",
+          f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} "
+          f"err {row['max_err']:.1e}{extra}",
           file=log, flush=True)
 
 

@@ -39,7 +39,7 @@ class Timer:
             call()
             end[i].record()
         torch.cuda.synchronize()
-        return float(statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end)))
+        return float(statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end, strict=True)))
 
     def eager(self, fn: Callable[[], object]) -> float:
         """Median microseconds of `fn()` launched from Python."""

@@ -162,9 +162,13 @@ def bench_file(text: str) -> BenchFile:
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"expected a bench.json written by msa bench, got {text!r}: {exc.strerror}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a bench.json written by msa bench, got {text!r}: {exc.strerror}"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"expected a bench.json written by msa bench, got {text!r}: not JSON ({exc})") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a bench.json written by msa bench, got {text!r}: not JSON ({exc})"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise argparse.ArgumentTypeError(
             f"expected a bench.json written by msa bench (a JSON object with \"rows\"), got {text!r}"

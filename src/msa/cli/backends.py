@@ -18,8 +18,8 @@ from msa.layouts import LAYOUT_NAMES, get_layout
 from msa.platform import OPTIONAL_PACKAGES, Platform, detect
 from msa.policy import SelectionPolicy, Verdict
 from msa.problem import MINIMAX_M3, DecodeProblem, Geometry
-from msa.validation import output_dtype
 from msa.registry import BackendRegistry, get_registry
+from msa.validation import output_dtype
 
 __all__ = ["add_parsers"]
 

@@ -143,7 +143,7 @@ class KVLayout(abc.ABC):
         shape = self.cache_shape(num_pages, num_kv_heads, page_size, head_dim)
         return torch.zeros(shape, dtype=self.storage_dtype, device=device)
 
-    def _check_geometry(self, page_size: int, head_dim: int) -> None:
+    def _check_geometry(self, page_size: int, head_dim: int) -> None:  # noqa: B027 (optional hook)
         """Layout-specific limits on page size and head dim (none by default)."""
 
     # -- writing ----------------------------------------------------------------------------

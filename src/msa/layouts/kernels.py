@@ -63,7 +63,8 @@ def nvfp4_write_kernel(
         amax = tl.max(tl.where(blocks == blocks, tl.abs(blocks), 0.0), axis=1)  # NaN sets no scale
         scale = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g_scale), 448.0).to(tl.float8e4nv)
         step = scale.to(tl.float32) * g_scale
-        ratio = tl.where(step[:, None] > 0, tl.math.div_rn(blocks, tl.where(step[:, None] > 0, step[:, None], 1.0)), 0.0)
+        positive = step[:, None] > 0
+        ratio = tl.where(positive, tl.math.div_rn(blocks, tl.where(positive, step[:, None], 1.0)), 0.0)
         codes = tl.reshape(_e2m1_encode(ratio), (HEAD_DIM // 2, 2))
         lo, hi = tl.split(codes)
         tl.store(base + off * (HEAD_DIM // 2) + tl.arange(0, HEAD_DIM // 2), (lo | (hi << 4)).to(tl.uint8))

@@ -10,6 +10,7 @@ second plan that the held one would silently fall behind.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -61,10 +62,8 @@ class PlanCache(Generic[K, V]):
         self._plans[key] = plan
         while len(self._plans) > self.max_plans:
             old_key, old = self._plans.popitem(last=False)
-            try:
+            with contextlib.suppress(TypeError):  # a value that cannot be weakly referenced is dropped
                 self._released[old_key] = old
-            except TypeError:  # a value that cannot be weakly referenced is simply dropped
-                pass
             self.evictions += 1
         return plan
 

@@ -34,10 +34,8 @@ def resolve_entries(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor, t
     idx = inputs.topk_indices.long()
     used = (idx >= 0) & (idx < limit.view(1, -1, 1))
     block = torch.where(used, idx, 0)
-    if block_table.shape[0] == 0:  # no requests: every row is padding, nothing is used
-        page = torch.zeros_like(block)
-    else:
-        page = block_table.long()[request.view(1, -1, 1), block]
+    # no requests: every row is padding, nothing is used (and there is no table row to index)
+    page = torch.zeros_like(block) if block_table.shape[0] == 0 else block_table.long()[request.view(1, -1, 1), block]
     used &= (page >= 0) & (page < problem.num_pages)
     return used, block, torch.where(used, page, 0), visible
 

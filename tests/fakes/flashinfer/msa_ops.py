@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from fake_attend import attend, check, check_lists
 
 CALLS: list[dict[str, Any]] = []

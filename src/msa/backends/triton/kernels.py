@@ -4,7 +4,8 @@ One program handles one query row `r`, one KV head `h`, a chunk of `BLOCK_G` of 
 query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens of one selected page).
 Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every fp8 and NVFP4
 value is exact in both), fp32 under the Triton interpreter. The row's index list is resolved
-once, up front, so the tile loop has no dependent index loads and can be software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
+once, up front, so the tile loop has no dependent index loads and can be software-pipelined.
+Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
 tensor scales are read on the device (graph-safe). An entry docs/semantics.md §3 skips is never read: its
 page pointer is not formed and its tile is not loaded.
 
