@@ -11,6 +11,7 @@ import torch
 
 from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
+from msa.layouts import KVCache
 from msa.planner import DecodePlanner
 from msa.platform import detect
 from msa.policy import default_policy
@@ -45,7 +46,7 @@ def select_backend(problem: DecodeProblem, backend: str = "auto") -> AnyBackend:
 @overload
 def sparse_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     topk_indices: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -68,7 +69,7 @@ def sparse_decode(
 @overload
 def sparse_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     topk_indices: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -91,7 +92,7 @@ def sparse_decode(
 @overload
 def sparse_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     topk_indices: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -113,7 +114,7 @@ def sparse_decode(
 
 def sparse_decode(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     topk_indices: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -141,7 +142,9 @@ def sparse_decode(
         q: `[B*L, Hq, D]` bf16/fp16 (fp8 e4m3 with `q_scale`), rows request-major, unit last
             stride.
         kv_cache: the paged cache in its layout (see `msa.layouts`): `[pages, Hkv, P, 2D]`
-            bf16/fp16/fp8, or `[pages, 2Hkv, P, D/2 + D/16]` uint8 for NVFP4.
+            bf16/fp16/fp8, or a `(k_cache, v_cache)` pair of `[pages, Hkv, P, D]` views with a
+            unit last stride (separate caches, SGLang's pools viewed as pages), or
+            `[pages, 2Hkv, P, D/2 + D/16]` uint8 for NVFP4.
         topk_indices: int32 `[Hkv, B*L, K]`, block ids per (KV head, row); any strides (the
             transpose of a token-major `[B*L, Hkv, K]` buffer is accepted without a copy).
         block_table: int32 `[B, max_blocks]`: block `j` of request `b` lives at page

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from msa.layouts import KVLayout
+from msa.layouts import KVCache, KVLayout
 from msa.scales import Scale, scale_tensor
 
 __all__ = ["dense_masked_attention"]
@@ -14,7 +14,7 @@ __all__ = ["dense_masked_attention"]
 
 def dense_masked_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     topk_indices: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,

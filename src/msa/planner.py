@@ -39,7 +39,7 @@ import torch
 
 from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
-from msa.layouts import get_layout
+from msa.layouts import KVCache, get_layout
 from msa.planning import PlanCache, StepTables
 from msa.platform import Platform, detect, resolve_device
 from msa.policy import SelectionPolicy, default_policy
@@ -290,7 +290,7 @@ class DecodePlanner:
         self,
         plan: DecodePlan,
         q: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         topk_indices: torch.Tensor,
         *,
         out: torch.Tensor,
@@ -307,7 +307,8 @@ class DecodePlanner:
 
         Args:
             q: `[B*L, Hq, D]` of the planner's `q_dtype`.
-            kv_cache: the cache, in the planner's layout.
+            kv_cache: the cache, in the planner's layout (one tensor, or a `(k_cache, v_cache)`
+                pair for the split layouts).
             topk_indices: int32 `[Hkv, B*L, K]`, any strides.
             out: `[B*L, Hq, D]` (q's dtype; bf16 for fp8 q), unit last stride.
             lse: optional fp32 `[B*L, Hq]` (the planner must have `with_lse=True` for backends

@@ -15,8 +15,8 @@ import attrs
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts import KVLayout, layout_for_cache
-from msa.problem import DecodeProblem, Geometry
+from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
+from msa.problem import DecodeProblem, Geometry, cache_form
 from msa.scales import Scale, check_scale
 from msa.semantics import row_positions
 
@@ -43,7 +43,7 @@ class DecodeInputs:
     Attributes:
         problem: the step's shape (what `check_decode_inputs` also returns).
         q: `[B*L, Hq, D]`.
-        kv_cache: the cache, in `layout`.
+        kv_cache: the cache, in `layout`: one tensor, or a `(k_cache, v_cache)` pair.
         topk_indices: int32 `[Hkv, B*L, K]`, any strides.
         block_table: int32 `[B, max_blocks]`, unit last stride.
         seq_lens: int32 `[B]`, KV lengths including the `L` new tokens.
@@ -57,7 +57,7 @@ class DecodeInputs:
 
     problem: DecodeProblem
     q: torch.Tensor
-    kv_cache: torch.Tensor
+    kv_cache: KVCache
     topk_indices: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -190,11 +190,14 @@ def check_decode_inputs(
     q_t = check_tensor("q", q)
     _check_q(q_t)
     device = q_t.device
-    cache = check_tensor("kv_cache", kv_cache, device)
-    layout = layout_for_cache(cache, kv_cache_dtype)
-    shape = layout.inspect(cache)
+    layout = layout_for_cache(kv_cache, kv_cache_dtype)
+    shape = layout.inspect(kv_cache)
+    cache: KVCache = kv_cache  # type: ignore[assignment]  # inspect checked it
+    if cache_device(cache) != device:
+        raise MSAInputError("kv_cache", f"a tensor on {device} (the device of q)", cache_device(cache))
     if shape.num_pages < 1:
-        raise MSAInputError("kv_cache", "at least one page", f"shape {tuple(cache.shape)}")
+        first = cache[0] if isinstance(cache, tuple) else cache
+        raise MSAInputError("kv_cache", "at least one page", f"shape {tuple(first.shape)}")
     check_flag("return_lse", return_lse)
     rows, num_q_heads, head_dim = q_t.shape
     if head_dim != shape.head_dim:
@@ -286,6 +289,7 @@ def check_decode_inputs(
         block_table_stride=table.stride(0),
         ragged=starts is not None,
         total_rows=rows if starts is not None else None,
+        kv_form=cache_form(cache),
     )
     inputs = DecodeInputs(
         problem=problem,

@@ -8,10 +8,16 @@ from typing import Any
 import attrs
 import torch
 
-from msa.layouts import KVLayout, get_layout
+from msa.errors import MSAInputError
+from msa.layouts import KVCache, KVLayout, get_layout
 from msa.problem import Geometry
 
-__all__ = ["DecodeStep", "make_decode_step", "indexer_topk", "DEFAULT_SCALES"]
+__all__ = ["DecodeStep", "make_decode_step", "indexer_topk", "as_kv_form", "KV_FORMS", "DEFAULT_SCALES"]
+
+#: The cache forms serving engines keep, for the split layouts: msa's packed `[pages, Hkv, P, 2D]`
+#: ("packed"), separate contiguous `[pages, Hkv, P, D]` K and V (FlashInfer's, "separate"), and
+#: separate token-major pools `[slots, Hkv, D]` viewed as pages (SGLang's, "sglang").
+KV_FORMS = ("packed", "separate", "sglang")
 
 #: Dequantization scales the generator writes with, per layout (N(0, 1) data): FP8 stores
 #: 16x the value; the NVFP4 global scale admits |x| <= 8 without saturating the block scales.
@@ -29,7 +35,7 @@ class DecodeStep:
         layout: the cache layout.
         decode_query_len: `L`.
         q: `[B*L, Hq, D]`.
-        kv_cache: the cache.
+        kv_cache: the cache (one tensor, or a `(k_cache, v_cache)` pair: see `as_kv_form`).
         topk_indices: int32 `[Hkv, B*L, K]` (a head-major view of a token-major buffer).
         block_table: int32 `[B, max_blocks]`.
         seq_lens: int32 `[B]`.
@@ -40,7 +46,7 @@ class DecodeStep:
     layout: KVLayout
     decode_query_len: int
     q: torch.Tensor
-    kv_cache: torch.Tensor
+    kv_cache: KVCache
     topk_indices: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -121,6 +127,27 @@ def indexer_topk(
     return ids.contiguous().transpose(0, 1)
 
 
+def as_kv_form(layout: KVLayout, cache: KVCache, form: str) -> KVCache:
+    """The same keys and values in another of the `KV_FORMS` (a copy; "packed" returns `cache`).
+
+    "sglang" holds each side as a token pool `[pages * P, Hkv, D]`, as SGLang allocates it, and
+    returns the views msa reads: `pool.view(pages, P, Hkv, D).transpose(1, 2)` (page, head and
+    token strides `P*Hkv*D`, `D`, `Hkv*D`).
+    """
+    if form not in KV_FORMS:
+        raise MSAInputError("form", "one of " + ", ".join(KV_FORMS), repr(form))
+    if form == "packed":
+        return cache
+    if not layout.separable:
+        raise MSAInputError("form", f"'packed' for the {layout.name!r} layout (one tensor of head slots)", repr(form))
+    keys, values = layout.kv_views(cache)
+    if form == "separate":
+        return keys.contiguous(), values.contiguous()
+    pages, heads, p, d = keys.shape
+    pools = [t.transpose(1, 2).reshape(pages * p, heads, d) for t in (keys, values)]
+    return pools[0].view(pages, p, heads, d).transpose(1, 2), pools[1].view(pages, p, heads, d).transpose(1, 2)
+
+
 def make_decode_step(
     geometry: Geometry,
     *,
@@ -132,8 +159,10 @@ def make_decode_step(
     device: torch.device | str = "cpu",
     seed: int | None = None,
     overlap: float | None = None,
+    kv_form: str = "packed",
 ) -> DecodeStep:
-    """Build a decode step of `batch_size` requests whose contexts are up to `context_len` tokens.
+    """Build a decode step of `batch_size` requests whose contexts are up to `context_len` tokens
+    (the cache in one of the `KV_FORMS`).
 
     Each request's length is `context_len` minus a random part of a page (so last pages are
     partly visible); its pages are scattered over the cache at random; every token's K and V
@@ -182,7 +211,7 @@ def make_decode_step(
         layout=layout,
         decode_query_len=length,
         q=q,
-        kv_cache=cache,
+        kv_cache=as_kv_form(layout, cache, kv_form),
         topk_indices=topk,
         block_table=block_table,
         seq_lens=seq_lens,

@@ -15,13 +15,16 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVLayout
+from msa.layouts.base import CacheShape, KVCache, KVLayout, cache_device, cache_nbytes
 from msa.layouts.nvfp4 import NVFP4, NVFP4HeadSlotLayout
 from msa.layouts.split import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, SplitLayout
 
 __all__ = [
     "CacheShape",
+    "KVCache",
     "KVLayout",
+    "cache_device",
+    "cache_nbytes",
     "SplitLayout",
     "NVFP4HeadSlotLayout",
     "AUTO",
@@ -70,23 +73,25 @@ def get_layout(kv_cache_dtype: str) -> KVLayout:
     return _BY_NAME[kv_cache_dtype]
 
 
-def layout_for_cache(cache: torch.Tensor, kv_cache_dtype: str | None = None) -> KVLayout:
-    """The concrete layout of `cache`: named by `kv_cache_dtype`, or inferred from its dtype
-    when that is None ("auto" resolves to the bf16 or fp16 split layout).
+def layout_for_cache(cache: object, kv_cache_dtype: str | None = None) -> KVLayout:
+    """The concrete layout of `cache` (one tensor, or a `(k_cache, v_cache)` pair): named by
+    `kv_cache_dtype`, or inferred from its dtype when that is None ("auto" resolves to the bf16
+    or fp16 split layout). The layout's `inspect` checks the rest.
 
     Raises:
         MSAInputError: an unknown name, or a cache dtype the layout does not store.
     """
-    if not isinstance(cache, torch.Tensor):
-        raise MSAInputError("kv_cache", "a torch.Tensor", type(cache).__name__)
+    first = cache[0] if isinstance(cache, tuple) and cache else cache
+    if not isinstance(first, torch.Tensor):
+        raise MSAInputError("kv_cache", "a torch.Tensor or a (k_cache, v_cache) pair", type(cache).__name__)
     if kv_cache_dtype is None:
-        if cache.dtype not in _BY_CACHE_DTYPE:
+        if first.dtype not in _BY_CACHE_DTYPE:
             raise MSAInputError(
                 "kv_cache",
                 "dtype bfloat16, float16, float8_e4m3fn or uint8 (nvfp4) to infer the layout",
-                cache.dtype,
+                first.dtype,
             )
-        return _BY_CACHE_DTYPE[cache.dtype]
-    layout = get_layout(kv_cache_dtype).resolve(cache.dtype)
+        return _BY_CACHE_DTYPE[first.dtype]
+    layout = get_layout(kv_cache_dtype).resolve(first.dtype)
     layout.inspect(cache)  # raises on a dtype that disagrees with the name
     return layout

@@ -4,6 +4,7 @@ dequantize, and gather pages for the reference backend."""
 from __future__ import annotations
 
 import abc
+from typing import Literal, overload
 
 import attrs
 import torch
@@ -12,9 +13,25 @@ from msa.errors import MSAInputError
 from msa.platform import triton_available
 from msa.scales import Scale, check_scale
 
-__all__ = ["CacheShape", "KVLayout", "SlotWrite"]
+__all__ = ["CacheShape", "KVCache", "KVLayout", "SlotWrite", "cache_device", "cache_nbytes"]
 
 _KV_INPUT_DTYPES = (torch.bfloat16, torch.float16)
+
+#: A cache: one tensor in its layout (the packed `[pages, Hkv, P, 2D]` split cache, NVFP4 head
+#: slots), or, for the split layouts, a `(k_cache, v_cache)` pair of `[pages, Hkv, P, D]` views
+#: with a unit last stride (FlashInfer's separate tensors, SGLang's token pools viewed as pages).
+KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def cache_device(cache: KVCache) -> torch.device:
+    """The device of a cache (of its K tensor, for a pair)."""
+    return cache[0].device if isinstance(cache, tuple) else cache.device
+
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Bytes a cache holds (both tensors of a pair)."""
+    tensors = cache if isinstance(cache, tuple) else (cache,)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @attrs.frozen
@@ -56,6 +73,8 @@ class KVLayout(abc.ABC):
         block_scaled: values are 4-bit E2M1 codes with an E4M3 scale per 16 elements (NVFP4):
             a reader decodes them itself; otherwise K and V are plain elements of the storage
             dtype, read and converted.
+        separable: the cache may also be a `(k_cache, v_cache)` pair of `[pages, Hkv, P, D]`
+            tensors (the split layouts).
     """
 
     name: str
@@ -63,6 +82,7 @@ class KVLayout(abc.ABC):
     accepted_dtypes: tuple[torch.dtype, ...]
     quantized: bool = False
     block_scaled: bool = False
+    separable: bool = False
 
     def __repr__(self) -> str:
         return f"<KVLayout {self.name}>"
@@ -73,10 +93,11 @@ class KVLayout(abc.ABC):
         return self
 
     @abc.abstractmethod
-    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_views(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of the keys and the values, each `[pages, Hkv, P, W]` with the unit
-        last stride of the cache: `W = D` for the split layouts, the `D/2 + D/16` bytes of a
-        head slot for NVFP4."""
+        last stride of the cache: `W = D` for the split layouts (the two tensors themselves for
+        a pair), the `D/2 + D/16` bytes of a head slot for NVFP4. Readers and writers go
+        through these views, so a packed cache and a pair are read by the same code."""
 
     # -- geometry ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -94,32 +115,70 @@ class KVLayout(abc.ABC):
         """Bytes one token of one KV head occupies (K and V together, scales included)."""
 
     def inspect(self, cache: object, argument: str = "kv_cache") -> CacheShape:
-        """Check that `cache` is a tensor of this layout and return its geometry.
+        """Check that `cache` is a cache of this layout — one tensor, or a `(k_cache, v_cache)`
+        pair for the split layouts — and return its geometry.
 
         Raises:
             MSAInputError: wrong type, dtype, rank, shape or strides.
         """
+        if isinstance(cache, tuple):
+            return self._inspect_pair(cache, argument)
         if not isinstance(cache, torch.Tensor):
-            raise MSAInputError(argument, "a torch.Tensor", type(cache).__name__)
-        if cache.dtype not in self.accepted_dtypes:
+            raise MSAInputError(argument, "a torch.Tensor (or a (k_cache, v_cache) pair)", type(cache).__name__)
+        self._check_tensor(argument, cache, self._shape_doc())
+        return self._shape_from_cache(cache, argument)
+
+    def _check_tensor(self, argument: str, tensor: torch.Tensor, shape_doc: str) -> None:
+        if tensor.dtype not in self.accepted_dtypes:
             names = ", ".join(str(d) for d in self.accepted_dtypes)
             raise MSAInputError(
                 argument,
                 f"dtype {names} for the {self.name!r} layout",
-                cache.dtype,
+                tensor.dtype,
                 "Pass kv_cache_dtype matching the cache, or None to infer it.",
             )
-        if cache.dim() != 4:
+        if tensor.dim() != 4:
+            raise MSAInputError(argument, "a 4-D tensor " + shape_doc, f"shape {tuple(tensor.shape)}")
+        if tensor.stride(-1) != 1:
+            raise MSAInputError(argument, "unit stride in the last dimension", tensor.stride())
+
+    def _inspect_pair(self, cache: tuple[object, ...], argument: str) -> CacheShape:
+        if not self.separable:
             raise MSAInputError(
-                argument, "a 4-D tensor " + self._shape_doc(), f"shape {tuple(cache.shape)}"
+                argument, f"one tensor {self._shape_doc()} for the {self.name!r} layout", "a tuple"
             )
-        if cache.stride(-1) != 1:
-            raise MSAInputError(argument, "unit stride in the last dimension", cache.stride())
-        return self._shape_from_cache(cache, argument)
+        if len(cache) != 2:
+            raise MSAInputError(argument, "a (k_cache, v_cache) pair", f"a tuple of {len(cache)}")
+        k, v = cache
+        for name, t in ((f"{argument}[0] (k_cache)", k), (f"{argument}[1] (v_cache)", v)):
+            if not isinstance(t, torch.Tensor):
+                raise MSAInputError(name, "a torch.Tensor", type(t).__name__)
+            self._check_tensor(name, t, "[pages, Hkv, P, D]")
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            raise MSAInputError(
+                f"{argument}[1] (v_cache)",
+                f"the shape, dtype and device of k_cache ({tuple(k.shape)}, {k.dtype}, {k.device})",
+                f"({tuple(v.shape)}, {v.dtype}, {v.device})",
+            )
+        pages, heads, page_size, head_dim = k.shape
+        return CacheShape(pages, heads, page_size, head_dim)
 
     @abc.abstractmethod
     def _shape_doc(self) -> str:
         """The shape of a cache, in words, for error messages."""
+
+    @overload
+    def allocate(
+        self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, *,
+        device: torch.device | str = ..., separate: Literal[False] = ...,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def allocate(
+        self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, *,
+        device: torch.device | str = ..., separate: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def allocate(
         self,
@@ -129,8 +188,10 @@ class KVLayout(abc.ABC):
         head_dim: int,
         *,
         device: torch.device | str = "cpu",
-    ) -> torch.Tensor:
-        """A zero-filled cache of `num_pages` pages (zeros dequantize to 0 in every layout)."""
+        separate: bool = False,
+    ) -> KVCache:
+        """A zero-filled cache of `num_pages` pages (zeros dequantize to 0 in every layout): one
+        tensor, or with `separate=True` a `(k_cache, v_cache)` pair (split layouts)."""
         for argument, value in (
             ("num_pages", num_pages),
             ("num_kv_heads", num_kv_heads),
@@ -140,6 +201,14 @@ class KVLayout(abc.ABC):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MSAInputError(argument, "a positive int", repr(value))
         self._check_geometry(page_size, head_dim)
+        if separate:
+            if not self.separable:
+                raise MSAInputError("separate", f"False for the {self.name!r} layout (one tensor of head slots)", True)
+            half = (num_pages, num_kv_heads, page_size, head_dim)
+            return (
+                torch.zeros(half, dtype=self.storage_dtype, device=device),
+                torch.zeros(half, dtype=self.storage_dtype, device=device),
+            )
         shape = self.cache_shape(num_pages, num_kv_heads, page_size, head_dim)
         return torch.zeros(shape, dtype=self.storage_dtype, device=device)
 
@@ -149,7 +218,7 @@ class KVLayout(abc.ABC):
     # -- writing ----------------------------------------------------------------------------
     def write(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         key: torch.Tensor,
         value: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -162,7 +231,7 @@ class KVLayout(abc.ABC):
         """Store new tokens into the cache in place.
 
         Args:
-            cache: a cache of this layout.
+            cache: a cache of this layout (a `(k_cache, v_cache)` pair for the split layouts).
             key: `[num_tokens, Hkv, D]` bf16/fp16.
             value: `[num_tokens, Hkv, D]` bf16/fp16.
             slot_mapping: `[num_tokens]` int64 (or int32), `page * P + offset`. A negative slot
@@ -188,13 +257,14 @@ class KVLayout(abc.ABC):
         poison the rest of the write.
         """
         shape = self.inspect(cache)
-        slots = _check_write_inputs(cache, shape, key, value, slot_mapping, validate)
+        device = cache_device(cache)
+        slots = _check_write_inputs(device, shape, key, value, slot_mapping, validate)
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
         keep = ((slots >= 0) & (slots < shape.num_pages * shape.page_size)).view(-1, 1, 1)
-        k = self._resolve_scale("k_scale", k_scale, cache.device, key, keep)
-        v = self._resolve_scale("v_scale", v_scale, cache.device, value, keep)
+        k = self._resolve_scale("k_scale", k_scale, device, key, keep)
+        v = self._resolve_scale("v_scale", v_scale, device, value, keep)
         if kernel is None:
-            kernel = cache.is_cuda and triton_available()
+            kernel = device.type == "cuda" and triton_available()
         if kernel:
             self._store_kernel(cache, shape, key, value, slots, k, v)
         else:
@@ -221,7 +291,7 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def _store_kernel(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -234,7 +304,7 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def _store(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         selected: SlotWrite,
         k_scale: torch.Tensor,
@@ -246,7 +316,7 @@ class KVLayout(abc.ABC):
     @abc.abstractmethod
     def gather(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         pages: torch.Tensor,
         heads: torch.Tensor,
         *,
@@ -264,19 +334,20 @@ class KVLayout(abc.ABC):
         """
 
     def dequantize(
-        self, cache: torch.Tensor, *, k_scale: Scale = 1.0, v_scale: Scale = 1.0
+        self, cache: KVCache, *, k_scale: Scale = 1.0, v_scale: Scale = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache as float32 `(K, V)`, each `[pages, Hkv, P, D]`, scales applied."""
         shape = self.inspect(cache)
-        pages = torch.arange(shape.num_pages, device=cache.device).view(-1, 1)
-        heads = torch.arange(shape.num_kv_heads, device=cache.device).view(1, -1)
+        device = cache_device(cache)
+        pages = torch.arange(shape.num_pages, device=device).view(-1, 1)
+        heads = torch.arange(shape.num_kv_heads, device=device).view(1, -1)
         return self.gather(cache, pages, heads, k_scale=k_scale, v_scale=v_scale)
 
 
 
 
 def _check_write_inputs(
-    cache: torch.Tensor,
+    device: torch.device,
     shape: CacheShape,
     key: object,
     value: object,
@@ -292,8 +363,8 @@ def _check_write_inputs(
             raise MSAInputError(argument, expected, f"dtype {tensor.dtype}")
         if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (shape.num_kv_heads, shape.head_dim):
             raise MSAInputError(argument, expected, f"shape {tuple(tensor.shape)}")
-        if tensor.device != cache.device:
-            raise MSAInputError(argument, f"a tensor on {cache.device}", tensor.device)
+        if tensor.device != device:
+            raise MSAInputError(argument, f"a tensor on {device}", tensor.device)
         if tensor.stride(-1) != 1:
             raise MSAInputError(argument, "unit stride in the last dimension", tensor.stride())
     assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -315,8 +386,8 @@ def _check_write_inputs(
         raise MSAInputError(
             "slot_mapping", f"{key.shape[0]} entries (one per key token)", slot_mapping.shape[0]
         )
-    if slot_mapping.device != cache.device:
-        raise MSAInputError("slot_mapping", f"a tensor on {cache.device}", slot_mapping.device)
+    if slot_mapping.device != device:
+        raise MSAInputError("slot_mapping", f"a tensor on {device}", slot_mapping.device)
     capacity = shape.num_pages * shape.page_size
     slots = slot_mapping.long()
     if validate:

@@ -12,24 +12,38 @@ import triton.language as tl
 
 
 @triton.jit
+def nvfp4_scale_offset(token, group, GROUPS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Byte offset of the block scale of (`token`, `group`) inside a head slot's scale area:
+    key scales in order, value scales interleaved by token quads (docs/semantics.md §4). The one
+    Triton home of this rule (the torch one is `msa.layouts.nvfp4.scale_byte_index`)."""
+    if INTERLEAVED:
+        return (token // 4) * (4 * GROUPS) + group * 4 + token % 4
+    return token * GROUPS + group
+
+
+@triton.jit
 def split_write_kernel(
-    key_ptr, value_ptr, slot_ptr, cache_ptr, k_scale_ptr, v_scale_ptr, capacity,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ch, stride_ct,
+    key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, capacity,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcp, stride_kch, stride_kct, stride_vcp, stride_vch, stride_vct,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
 ):
+    """Split layouts, into the K and V views of a packed cache or a pair of caches."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < capacity):
         d = tl.arange(0, HEAD_DIM)
-        row = cache_ptr + (slot // PAGE) * stride_cp + h * stride_ch + (slot % PAGE) * stride_ct
+        page, off = slot // PAGE, slot % PAGE
+        k_row = k_cache_ptr + page * stride_kcp + h * stride_kch + off * stride_kct
+        v_row = v_cache_ptr + page * stride_vcp + h * stride_vch + off * stride_vct
         k = tl.math.div_rn(tl.load(key_ptr + t * stride_kt + h * stride_kh + d).to(tl.float32), tl.load(k_scale_ptr))
         v = tl.math.div_rn(tl.load(value_ptr + t * stride_vt + h * stride_vh + d).to(tl.float32), tl.load(v_scale_ptr))
         if FP8:
             k = tl.minimum(tl.maximum(k, -448.0), 448.0)
             v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(row + d, k.to(cache_ptr.dtype.element_ty))
-        tl.store(row + HEAD_DIM + d, v.to(cache_ptr.dtype.element_ty))
+        tl.store(k_row + d, k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_row + d, v.to(v_cache_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -69,5 +83,5 @@ def nvfp4_write_kernel(
         lo, hi = tl.split(codes)
         tl.store(base + off * (HEAD_DIM // 2) + tl.arange(0, HEAD_DIM // 2), (lo | (hi << 4)).to(tl.uint8))
         g = tl.arange(0, GROUPS)
-        pos = tl.where(side == 0, off * GROUPS + g, (off // 4) * (4 * GROUPS) + g * 4 + off % 4)
+        pos = tl.where(side == 0, nvfp4_scale_offset(off, g, GROUPS, False), nvfp4_scale_offset(off, g, GROUPS, True))
         tl.store(base + PAGE * (HEAD_DIM // 2) + pos, scale.to(tl.uint8, bitcast=True))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVLayout, SlotWrite
+from msa.layouts.base import CacheShape, KVCache, KVLayout, SlotWrite
 from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = [
@@ -115,8 +115,9 @@ class NVFP4HeadSlotLayout(KVLayout):
     quantized = True
     block_scaled = True
 
-    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cache[:, 0::2], cache[:, 1::2]
+    def kv_views(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = _one_tensor(cache)
+        return slots[:, 0::2], slots[:, 1::2]
 
     def cache_shape(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int
@@ -171,7 +172,7 @@ class NVFP4HeadSlotLayout(KVLayout):
 
     def _store_kernel(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -181,6 +182,7 @@ class NVFP4HeadSlotLayout(KVLayout):
     ) -> None:
         from msa.layouts.kernels import nvfp4_write_kernel
 
+        cache = _one_tensor(cache)
         if key.shape[0] == 0:
             return
         nvfp4_write_kernel[(key.shape[0], shape.num_kv_heads, 2)](
@@ -192,12 +194,13 @@ class NVFP4HeadSlotLayout(KVLayout):
 
     def _store(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         selected: SlotWrite,
         k_scale: torch.Tensor,
         v_scale: torch.Tensor,
     ) -> None:
+        cache = _one_tensor(cache)
         p, d, hkv = shape.page_size, shape.head_dim, shape.num_kv_heads
         groups = d // BLOCK
         flat = cache.view(shape.num_pages, 2 * hkv, p * (d // 2 + groups))
@@ -220,13 +223,14 @@ class NVFP4HeadSlotLayout(KVLayout):
 
     def gather(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         pages: torch.Tensor,
         heads: torch.Tensor,
         *,
         k_scale: Scale = 1.0,
         v_scale: Scale = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = _one_tensor(cache)
         num_pages, slots, p, width = cache.shape
         d = width * BLOCK // 9
         groups = d // BLOCK
@@ -249,6 +253,13 @@ class NVFP4HeadSlotLayout(KVLayout):
             checked = check_scale(name, scale, cache.device)
             out.append(apply_scale(values, checked))
         return out[0], out[1]
+
+
+def _one_tensor(cache: KVCache) -> torch.Tensor:
+    """The cache tensor (NVFP4 keeps K and V of a head in adjacent slots of one tensor)."""
+    if isinstance(cache, tuple):
+        raise MSAInputError("kv_cache", "one uint8 tensor of head slots for the 'nvfp4' layout", "a tuple")
+    return cache
 
 
 NVFP4 = NVFP4HeadSlotLayout()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVLayout, SlotWrite
+from msa.layouts.base import CacheShape, KVCache, KVLayout, SlotWrite, cache_device
 from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = ["SplitLayout", "AUTO", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
@@ -31,12 +31,15 @@ class SplitLayout(KVLayout):
         self.storage_dtype = storage_dtype
         self.accepted_dtypes = accepted
         self.quantized = quantized
+        self.separable = True
         self._concrete = concrete or {}
 
     def resolve(self, dtype: torch.dtype) -> KVLayout:
         return self._concrete.get(dtype, self)
 
-    def kv_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_views(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(cache, tuple):
+            return cache
         d = cache.shape[-1] // 2
         return cache[..., :d], cache[..., d:]
 
@@ -67,22 +70,20 @@ class SplitLayout(KVLayout):
 
     def _store(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         selected: SlotWrite,
         k_scale: torch.Tensor,
         v_scale: torch.Tensor,
     ) -> None:
-        d = shape.head_dim
-        k = self._encode(selected.key, k_scale, cache.dtype)
-        v = self._encode(selected.value, v_scale, cache.dtype)
-        # cache[page, :, offset, :] for every written token: [n, Hkv, 2D]
-        cache[selected.pages, :, selected.offsets, :d] = k
-        cache[selected.pages, :, selected.offsets, d:] = v
+        keys, values = self.kv_views(cache)
+        # [page, :, offset] of every written token: [n, Hkv, D]
+        keys[selected.pages, :, selected.offsets] = self._encode(selected.key, k_scale, keys.dtype)
+        values[selected.pages, :, selected.offsets] = self._encode(selected.value, v_scale, values.dtype)
 
     def _store_kernel(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         shape: CacheShape,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -94,16 +95,17 @@ class SplitLayout(KVLayout):
 
         if key.shape[0] == 0:
             return
+        keys, values = self.kv_views(cache)
         split_write_kernel[(key.shape[0], shape.num_kv_heads)](
-            key, value, slots, cache, k_scale, v_scale, shape.num_pages * shape.page_size,
+            key, value, slots, keys, values, k_scale, v_scale, shape.num_pages * shape.page_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2),
-            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, FP8=cache.dtype == torch.float8_e4m3fn,
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, FP8=keys.dtype == torch.float8_e4m3fn,
         )
 
     def gather(
         self,
-        cache: torch.Tensor,
+        cache: KVCache,
         pages: torch.Tensor,
         heads: torch.Tensor,
         *,
@@ -111,8 +113,8 @@ class SplitLayout(KVLayout):
         v_scale: Scale = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.kv_views(cache)
-        k = check_scale("k_scale", k_scale, cache.device)
-        v = check_scale("v_scale", v_scale, cache.device)
+        k = check_scale("k_scale", k_scale, cache_device(cache))
+        v = check_scale("v_scale", v_scale, cache_device(cache))
         return (
             apply_scale(keys[pages, heads].float(), k),  # [*S, P, D]
             apply_scale(values[pages, heads].float(), v),

@@ -1,16 +1,22 @@
 """Triton kernels of the sparse decode (docs/semantics.md §3).
 
-One program handles one query row `r`, one KV head `h`, a chunk of `BLOCK_G` of the head's
-query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens of one selected page).
-Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every fp8 and NVFP4
-value is exact in both), fp32 under the Triton interpreter. The row's index list is resolved
-once, up front, so the tile loop has no dependent index loads and can be software-pipelined.
-Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and every float scale;
-tensor scales are read on the device (graph-safe). An entry docs/semantics.md §3 skips is never read: its
-page pointer is not formed and its tile is not loaded.
+A per-token program handles one query row `r`, one KV head `h`, a chunk of `BLOCK_G` of the
+head's query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens of one selected
+page). The dedup program handles up to `TOKENS` rows of one request instead and walks the union
+of their pages. Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every
+fp8 and NVFP4 value is exact in both), fp32 under the Triton interpreter. Index lists are
+resolved once, up front, so the tile loop has no dependent index loads and can be
+software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and
+every float scale; tensor scales are read on the device (graph-safe). An entry the semantics
+skip is never read: its page pointer is not formed and its tile is not loaded.
 
-With one split the program writes the normalised output and the LSE; with several it writes
-its running max, sum and unnormalised accumulator to a workspace that `merge_kernel` combines.
+Keys and values are read through their own base pointers and (page, head, token) strides: a
+packed `[pages, Hkv, P, 2D]` cache is the case `v = k + D` with equal strides, a pair of caches
+(or SGLang's token pools viewed as pages) any other. NVFP4 reads a head slot from `k` / `v`.
+
+All three decode kernels take the same named arguments (`launch.decode_args` builds them). With
+one split a program writes the normalised output (and the LSE); with several it writes its
+unnormalised accumulator and its running (max, sum) to a workspace that `merge_kernel` combines.
 """
 
 from __future__ import annotations
@@ -18,9 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from msa.layouts.kernels import nvfp4_scale_offset
+
 LOG2E = 1.4426950408889634  # host side: folded into qk_scale
 LN2 = tl.constexpr(0.6931471805599453)
 
+
+# -- the step around a program ---------------------------------------------------------------
 
 @triton.jit
 def _row_context(row_request_ptr, q_pos_ptr, r, PAGE: tl.constexpr, max_blocks):
@@ -50,7 +60,7 @@ def _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS: tl.constexpr,
 def _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages, stride_th, stride_tr, stride_tk, stride_bt,
              TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
     """The row's index list resolved once: (entry ids, block ids, pages, used), each [TOPK_PAD].
-    Skipped entries (docs/semantics.md §3) get used = 0 and page 0; their tiles are never loaded."""
+    Skipped entries get used = 0 and page 0; their tiles are never loaded."""
     e = tl.arange(0, TOPK_PAD)
     j = tl.load(topk_ptr + h * stride_th + r * stride_tr + e * stride_tk, mask=e < TOPK, other=-1)
     used = (j >= 0) & (j < limit)
@@ -67,19 +77,25 @@ def _pick(values, e, t):
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Online-softmax update for scores s [G, N] (base 2); returns (p, alpha, m_new, l_new)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+def _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT: tl.constexpr, CHUNKS: tl.constexpr,
+          BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Step `step` of a split's walk: (page, token offsets in it [BLOCK_N], visible [BLOCK_N]).
+    A skipped entry's tile has no visible token (so nothing of it is loaded)."""
+    tile = split * TILES_PER_SPLIT + step
+    t = tile // CHUNKS
+    page = _pick(pages, e, t).to(tl.int64)
+    tok = (tile % CHUNKS) * BLOCK_N + offs
+    visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
+    return page, tok, visible
 
 
 @triton.jit
-def _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+def _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, SM_SCALE_PTR: tl.constexpr,
             Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr):
+    """(score factor, output factor): the host's float product times the tensor scales."""
     s = qk_scale
+    if SM_SCALE_PTR:
+        s = s * tl.load(sm_scale_ptr)
     if Q_SCALE_PTR:
         s = s * tl.load(q_scale_ptr)
     if K_SCALE_PTR:
@@ -91,51 +107,91 @@ def _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr,
 
 
 @triton.jit
-def _finish(acc, cols, m_i, l_i, r, qh, g_mask, split, v_scale,
-            out_ptr, lse_ptr, part_o_ptr, part_ml_ptr, stride_or, stride_oh, stride_lr, stride_lh,
-            NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            WRITE_LSE: tl.constexpr, WRITE_ML: tl.constexpr):
-    """Store this program's result: final output (one split) or partials (several)."""
-    if NUM_SPLITS == 1:
-        empty = l_i == 0.0
-        inv = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, l_i))
-        o = acc * inv[:, None]
-        ptrs = out_ptr + (r * stride_or + qh * stride_oh)[:, None] + cols[None, :]  # r: scalar or per row
-        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-        if WRITE_LSE & WRITE_ML:
-            lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-            tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse, mask=g_mask)
-    else:
-        row = (r * NUM_Q_HEADS + qh) * NUM_SPLITS + split  # [G]
-        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + cols[None, :], acc, mask=g_mask[:, None])
-        if WRITE_ML:
-            tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
-            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+def _softmax_step(s, m_i, l_i):
+    """Online-softmax update for scores s [G, N] (base 2); returns (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+# -- what a program writes -------------------------------------------------------------------
+
+@triton.jit
+def _store_out(acc, cols, l_i, v_scale, r, qh, mask, out_ptr, stride_or, stride_oh):
+    """The normalised output of rows (r, qh) [M] at columns `cols`; 0 where nothing was seen."""
+    empty = l_i == 0.0
+    inv = tl.where(empty, 0.0, v_scale / tl.where(empty, 1.0, l_i))
+    ptrs = out_ptr + (r * stride_or + qh * stride_oh)[:, None] + cols[None, :]  # r: scalar or per row
+    tl.store(ptrs, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask[:, None])
 
 
 @triton.jit
+def _store_lse(m_i, l_i, r, qh, mask, lse_ptr, stride_lr, stride_lh):
+    """The natural-log LSE of rows (r, qh) [M] from the base-2 running (max, sum); -inf if empty."""
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse, mask=mask)
+
+
+@triton.jit
+def _partial_rows(r, qh, split, NUM_Q_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Workspace rows of a split's partials: one per (row, query head, split)."""
+    return (r * NUM_Q_HEADS + qh) * NUM_SPLITS + split
+
+
+@triton.jit
+def _store_partial(acc, cols, rows, mask, part_o_ptr, HEAD_DIM: tl.constexpr):
+    """A split's unnormalised accumulator [M, len(cols)] into workspace `rows`."""
+    tl.store(part_o_ptr + rows[:, None] * HEAD_DIM + cols[None, :], acc, mask=mask[:, None])
+
+
+@triton.jit
+def _store_stats(m_i, l_i, rows, mask, part_ml_ptr):
+    """A split's running (max, sum) [M] into workspace `rows`."""
+    tl.store(part_ml_ptr + rows * 2, m_i, mask=mask)
+    tl.store(part_ml_ptr + rows * 2 + 1, l_i, mask=mask)
+
+
+@triton.jit
+def _store_result(acc, cols, m_i, l_i, r, qh, mask, split, v_scale, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+                  stride_or, stride_oh, stride_lr, stride_lh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A program's whole result for one column set: output and LSE (one split) or partials."""
+    if NUM_SPLITS == 1:
+        _store_out(acc, cols, l_i, v_scale, r, qh, mask, out_ptr, stride_or, stride_oh)
+        if WRITE_LSE:
+            _store_lse(m_i, l_i, r, qh, mask, lse_ptr, stride_lr, stride_lh)
+    else:
+        rows = _partial_rows(r, qh, split, NUM_Q_HEADS, NUM_SPLITS)
+        _store_partial(acc, cols, rows, mask, part_o_ptr, HEAD_DIM)
+        _store_stats(m_i, l_i, rows, mask, part_ml_ptr)
+
+
+# -- the decode kernels ----------------------------------------------------------------------
+
+@triton.jit
 def split_decode_kernel(
-    q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
+    q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks,
-    stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
-    stride_th, stride_tr, stride_tk, stride_bt,
-    stride_or, stride_oh, stride_lr, stride_lh,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
-    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
+    num_pages, max_blocks, num_rows,
+    stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+    stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
 ):
-    """Split layouts: cache [pages, Hkv, P, 2D] (bf16, fp16 or fp8), K = [..., :D], V = [..., D:]."""
+    """Layouts of plain elements (bf16, fp16, fp8): K and V rows of `HEAD_DIM` elements."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
                                                      PAGE, BLOCK_G, GROUP_CHUNKS)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+    qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                     SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     q = q.to(COMPUTE)
 
     e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
@@ -146,22 +202,17 @@ def split_decode_kernel(
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
     for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
-        tile = split * TILES_PER_SPLIT + step
-        t = tile // CHUNKS
-        page = _pick(pages, e, t).to(tl.int64)
-        tok = (tile % CHUNKS) * BLOCK_N + offs
-        # tokens of this tile still visible: none when the entry is skipped
-        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
-        rows = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
-        k = tl.load(rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
+        k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
+        k = tl.load(k_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         s = tl.where(visible[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(rows + HEAD_DIM + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        v_rows = v_ptr + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
+        v = tl.load(v_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
-    _finish(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-            stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
-            WRITE_LSE, True)
+    _store_result(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+                  stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
 
 
 @triton.jit
@@ -178,10 +229,7 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
     bi = tl.arange(0, 8)
     code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
     codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
-    if INTERLEAVED:
-        pos = (tok[:, None] // 4) * (4 * GROUPS) + gi[None, :] * 4 + tok[:, None] % 4
-    else:
-        pos = tok[:, None] * GROUPS + gi[None, :]
+    pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
     scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
     scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
     lo = ((codes << 2) & 0x1C) | ((codes << 4) & 0x80)
@@ -193,31 +241,29 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def nvfp4_decode_kernel(
-    q_ptr, cache_ptr, topk_ptr, table_ptr, row_request_ptr, q_pos_ptr,
+    q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks,
-    stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
-    stride_th, stride_tr, stride_tk, stride_bt,
-    stride_or, stride_oh, stride_lr, stride_lh,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_CHUNKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
-    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-    TOPK_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
+    num_pages, max_blocks, num_rows,
+    stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+    stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
 ):
-    """NVFP4 head slots: cache uint8 [pages, 2Hkv, P, D/2 + D/16]; slot 2h is K, 2h+1 is V.
-    Even and odd head-dim elements are kept apart (low and high nibbles), so q is split the same
-    way and the output is written back interleaved."""
+    """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
+    head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
+    output is written back interleaved."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
                                                      PAGE, BLOCK_G, GROUP_CHUNKS)
     dh = tl.arange(0, HEAD_DIM // 2)
     q_row = q_ptr + r * stride_qr + qh[:, None] * stride_qh
     q_even = tl.load(q_row + 2 * dh[None, :], mask=g_mask[:, None], other=0.0).to(COMPUTE)
     q_odd = tl.load(q_row + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0).to(COMPUTE)
-    qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+    qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                     SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
 
     e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
                                    stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
@@ -228,65 +274,26 @@ def nvfp4_decode_kernel(
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
     for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
-        tile = split * TILES_PER_SPLIT + step
-        t = tile // CHUNKS
-        page = _pick(pages, e, t).to(tl.int64)
-        tok = (tile % CHUNKS) * BLOCK_N + offs
-        # tokens of this tile still visible: none when the entry is skipped
-        visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
-        k_slot = cache_ptr + page * stride_cp + (2 * h) * stride_ch
-        k_even, k_odd = _nvfp4_tile(k_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, False, COMPUTE)
+        page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
+        k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
+                                    BLOCK_N, False, COMPUTE)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
         s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
         s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_even, v_odd = _nvfp4_tile(k_slot + stride_ch, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE)
+        v_even, v_odd = _nvfp4_tile(v_ptr + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
+                                    BLOCK_N, True, COMPUTE)
         p = p.to(COMPUTE)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
-    _finish(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-            stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
-            WRITE_LSE, True)
-    _finish(acc_odd, 2 * dh + 1, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-            stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
-            WRITE_LSE, False)
-
-
-@triton.jit
-def merge_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, v_scale_ptr, v_scale, q_pos_ptr,
-    stride_or, stride_oh, stride_lr, stride_lh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    V_SCALE_PTR: tl.constexpr, WRITE_LSE: tl.constexpr,
-):
-    """Combine the splits of one (row, query head): out = sum_s acc_s 2^(m_s - M) / L.
-
-    A row at a negative position sees nothing: it gets 0 and an LSE of -inf without reading the
-    workspace (the dedup kernel writes no partials for rows owned by no request)."""
-    pid = tl.program_id(0)  # r * NUM_Q_HEADS + qh
-    r = pid // NUM_Q_HEADS
-    qh = pid % NUM_Q_HEADS
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < tl.where(tl.load(q_pos_ptr + r) >= 0, NUM_SPLITS, 0)
-    base = pid * NUM_SPLITS + s
-    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)
-    total = tl.sum(l_s * w, axis=0)
-    d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0)
-    vs = v_scale
-    if V_SCALE_PTR:
-        vs = vs * tl.load(v_scale_ptr)
-    empty = total == 0.0
-    o = o * tl.where(empty, 0.0, vs / tl.where(empty, 1.0, total))
-    tl.store(out_ptr + r * stride_or + qh * stride_oh + d, o.to(out_ptr.dtype.element_ty))
-    if WRITE_LSE:
-        lse = tl.where(empty, float("-inf"), (m_max + tl.log2(tl.where(empty, 1.0, total))) * LN2)
-        tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse)
+    _store_result(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+                  stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
+    # the odd columns: the statistics were written with the even ones
+    if NUM_SPLITS == 1:
+        _store_out(acc_odd, 2 * dh + 1, l_i, vs, r, qh, g_mask, out_ptr, stride_or, stride_oh)
+    else:
+        rows = _partial_rows(r, qh, split, NUM_KV_HEADS * GROUP, NUM_SPLITS)
+        _store_partial(acc_odd, 2 * dh + 1, rows, g_mask, part_o_ptr, HEAD_DIM)
 
 
 @triton.jit
@@ -296,21 +303,19 @@ def _or(a, b):
 
 @triton.jit
 def split_dedup_kernel(
-    q_ptr, cache_ptr, topk_ptr, table_ptr, req_start_ptr, q_pos_ptr,
+    q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
+    sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
     num_pages, max_blocks, num_rows,
-    stride_qr, stride_qh, stride_cp, stride_ch, stride_ct,
-    stride_th, stride_tr, stride_tk, stride_bt,
-    stride_or, stride_oh, stride_lr, stride_lh,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr,
-    TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-    Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+    stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
 ):
-    """Page dedup for several query tokens of one request (split layouts).
+    """Page dedup for several query tokens of one request (layouts of plain elements).
 
     One program takes up to TOKENS consecutive tokens of request b (all their query heads of KV
     head h: BLOCK_M rows), builds the union of their index lists in registers, and walks only
@@ -341,7 +346,8 @@ def split_dedup_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(COMPUTE)
-    qk, vs = _scales(qk_scale, v_scale, q_scale_ptr, k_scale_ptr, v_scale_ptr, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+    qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+                     SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
 
     # the chunk's entries: token ei's entry et; resolved once (no dependent loads in the loop)
     e = tl.arange(0, ENTRIES_PAD)
@@ -385,24 +391,63 @@ def split_dedup_kernel(
         chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
         limit_row = tl.where(chose, n_row - key_t.to(tl.int64) * PAGE, 0)
         kv_visible = tok < tl.max(limit_row, axis=0)
-        rows_ptr = cache_ptr + page * stride_cp + h * stride_ch + tok[:, None] * stride_ct
-        k = tl.load(rows_ptr + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+        k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
+        k = tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(rows_ptr + HEAD_DIM + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+        v_rows = v_ptr + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
+        v = tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
-    _finish(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
-            stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
-            WRITE_LSE, True)
+    _store_result(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+                  stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
+
+
+# -- after the decode ------------------------------------------------------------------------
+
+@triton.jit
+def merge_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, v_scale_ptr, v_scale, q_pos_ptr,
+    stride_or, stride_oh, stride_lr, stride_lh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    V_SCALE_PTR: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Combine the splits of one (row, query head): out = sum_s acc_s 2^(m_s - M) / L.
+
+    A row at a negative position sees nothing: it gets 0 and an LSE of -inf without reading the
+    workspace (the dedup kernel writes no partials for rows owned by no request)."""
+    pid = tl.program_id(0)  # r * NUM_Q_HEADS + qh
+    r = pid // NUM_Q_HEADS
+    qh = pid % NUM_Q_HEADS
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < tl.where(tl.load(q_pos_ptr + r) >= 0, NUM_SPLITS, 0)
+    base = pid * NUM_SPLITS + s
+    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)
+    total = tl.sum(l_s * w, axis=0)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    vs = v_scale
+    if V_SCALE_PTR:
+        vs = vs * tl.load(v_scale_ptr)
+    empty = total == 0.0
+    o = o * tl.where(empty, 0.0, vs / tl.where(empty, 1.0, total))
+    tl.store(out_ptr + r * stride_or + qh * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(empty, float("-inf"), (m_max + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+        tl.store(lse_ptr + r * stride_lr + qh * stride_lh, lse)
 
 
 @triton.jit
 def pad_rows_kernel(q_pos_ptr, out_ptr, lse_ptr, stride_or, stride_oh, stride_lr, stride_lh,
                     NUM_Q_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                     WRITE_LSE: tl.constexpr):
-    """Rows at a negative position attend nothing: out 0, LSE -inf. Run after the dedup kernel
-    of a ragged step, whose programs do not cover the rows past the last request."""
+    """Rows at a negative position attend nothing: out 0, LSE -inf. Run after a fused dedup
+    kernel of a ragged step, whose programs do not cover the rows owned by no request."""
     r = tl.program_id(0)
     if tl.load(q_pos_ptr + r) < 0:
         qh = tl.arange(0, BLOCK_H)
