@@ -20,8 +20,8 @@ LAYERS = {
     "registry": 8,
     "policy": 9,
     "workload": 10, "oracle": 10, "display": 10,
-    "planner": 11, "api": 11, "bench": 11,
-    "distributed": 12, "integrations": 12,
+    "planner": 11, "api": 11,
+    "distributed": 12, "integrations": 12, "bench": 12,
     "cli": 13, "__init__": 13, "__main__": 13,
 }
 

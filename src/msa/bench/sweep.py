@@ -16,13 +16,15 @@ import attrs
 import torch
 
 from msa.bench.baselines import flex_attend, torch_gather_attend
+from msa.bench.integrations import INTEGRATIONS
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
+from msa.layouts import cache_nbytes
 from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
 from msa.problem import MINIMAX_M3_TP
 from msa.validation import check_decode_inputs
-from msa.workload import DecodeStep, indexer_topk, make_decode_step
+from msa.workload import DecodeStep, as_kv_form, indexer_topk, make_decode_step
 
 __all__ = ["BenchConfig", "run_sweep", "step_bytes", "plot"]
 
@@ -34,7 +36,9 @@ class BenchConfig:
     """What to sweep. `same_tokens`: for L > 1, use `B // L` requests so that every query
     length runs the same number of query tokens as L = 1 at batch B. `overlaps`: how much
     consecutive tokens of a request share their pages (None: independent draws). `strategies`
-    for the triton backend: "auto" (its policy), "dedup", "per-token"."""
+    for the triton backend: "auto" (its policy), "dedup", "per-token". `kv_forms`: the cache
+    forms of `msa.workload.KV_FORMS` to time on the same data (split layouts; NVFP4 is packed).
+    `integrations`: engine drop-ins of `msa.bench.integrations.INTEGRATIONS` to time as well."""
 
     layouts: tuple[str, ...] = ("bfloat16", "fp8_e4m3", "nvfp4")
     batches: tuple[int, ...] = (1, 16, 64, 128, 256)
@@ -50,6 +54,8 @@ class BenchConfig:
     seed: int = 0
     overlaps: tuple[float | None, ...] = (None,)
     strategies: tuple[str, ...] = ("auto",)
+    kv_forms: tuple[str, ...] = ("packed",)
+    integrations: tuple[str, ...] = ()
 
 
 def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
@@ -160,11 +166,14 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
             geometry, batch_size=max(config.batches), context_len=config.context, kv_cache_dtype=layout,
             device="cuda", seed=config.seed,
         )
-        cache_gib = step.kv_cache.numel() * step.kv_cache.element_size() / 2**30
+        cache_gib = cache_nbytes(step.kv_cache) / 2**30
         print(f"[{n_case}/{len(cases)}] {layout} TP{tp}: cache {cache_gib:.1f} GiB", file=log, flush=True)
-        for batch, length, overlap in itertools.product(config.batches, config.query_lens, config.overlaps):
+        forms = [f for f in config.kv_forms if f == "packed" or step.layout.separable]
+        shapes = itertools.product(config.batches, config.query_lens, config.overlaps, forms)
+        for batch, length, overlap, form in shapes:
                 requests = max(batch // length, 1) if config.same_tokens else batch
                 kw = _case(step, requests, length, generator, overlap)
+                kw["kv_cache"] = as_kv_form(step.layout, step.kv_cache, form)
                 n_bytes = step_bytes(kw, step)
                 n_unique, realized = unique_bytes(kw, step)
                 ref_out = _reference(kw)
@@ -180,10 +189,21 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                     for mode, micros in times.items():
                         row = _row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, name,
                                    mode, micros, n_bytes, copy_gbps, err)
-                        row.update(strategy=strategy, overlap=overlap, realized_overlap=realized,
+                        row.update(strategy=strategy, overlap=overlap, realized_overlap=realized, kv_form=form,
                                    unique_bytes=n_unique, unique_gbps=n_unique / micros / 1e3,
                                    unique_frac_copy=n_unique / micros / 1e3 / copy_gbps)
                         rows.append(row)
+                        _print(rows[-1], log)
+                for name in config.integrations if form == "packed" else ():
+                    call = INTEGRATIONS[name](kw, step.layout)
+                    if call is None:
+                        continue
+                    times = _eager_and_graph(call, timer, config.graph)
+                    err = (call().float() - ref_out.float()).abs().max().item()
+                    for mode, micros in times.items():
+                        rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length,
+                                         f"{name} drop-in", mode, micros, n_bytes, copy_gbps, err))
+                        rows[-1].update(kv_form=name)
                         _print(rows[-1], log)
                 for base in config.baselines:
                     if batch > config.baseline_max_batch:
@@ -237,6 +257,7 @@ def _print(row: dict[str, Any], log: Any) -> None:
         extra = (f" [{row['strategy']}, overlap {row['realized_overlap']:.2f}, unique {row['unique_gbps']:.0f} GB/s "
                  f"{row['unique_frac_copy']:.2f}]")
     print(f"  {row['layout']:9s} {row['heads']:5s} B={row['batch']:4d} L={row['query_len']:2d} {row['backend']:9s} "
+          f"{row.get('kv_form', 'packed'):8s} "
           f"{row['mode']:5s} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s {row['frac_copy']:5.2f} "
           f"err {row['max_err']:.1e}{extra}",
           file=log, flush=True)
@@ -244,14 +265,15 @@ def _print(row: dict[str, Any], log: Any) -> None:
 
 def summary_table(result: dict[str, Any]) -> str:
     rows = [
-        [r["layout"], r["heads"], r["batch"], r["query_len"], r["backend"], r.get("strategy", "-"),
+        [r["layout"], r["heads"], r["batch"], r["query_len"], r["backend"], r.get("kv_form", "packed"),
+         r.get("strategy", "-"),
          "-" if r.get("overlap") is None else r["overlap"], r["mode"], round(r["us"], 1),
          round(r["gbps"]), round(r["frac_copy"], 2), round(r.get("unique_gbps", r["gbps"])),
          round(r.get("unique_frac_copy", r["frac_copy"]), 2), f"{r['max_err']:.1e}"]
         for r in result["rows"]
     ]
     return format_table(
-        ["layout", "heads", "B", "L", "backend", "strategy", "overlap", "mode", "us", "GB/s", "x copy",
+        ["layout", "heads", "B", "L", "backend", "kv form", "strategy", "overlap", "mode", "us", "GB/s", "x copy",
          "unique GB/s", "unique x copy", "max err"],
         rows,
     )
@@ -269,12 +291,12 @@ def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     lines: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
     for r in result["rows"]:
-        key = (r["layout"], r["heads"], r["query_len"], r["backend"], r["mode"])
+        key = (r["layout"], r["heads"], r["query_len"], r["backend"], r.get("kv_form", "packed"), r["mode"])
         lines.setdefault(key, []).append((r["batch"] * r["query_len"], r["gbps"]))
-    for (layout, heads, length, backend, mode), points in sorted(lines.items()):
+    for (layout, heads, length, backend, form, mode), points in sorted(lines.items()):
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"{backend} {mode} {layout} {heads} L={length}")
+                label=f"{backend} {mode} {layout} {form} {heads} L={length}")
     ax.axhline(result["copy_gbps"], color="black", linestyle="--", label="device copy (read+write)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("query tokens per step (B x L)")

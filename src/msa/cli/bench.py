@@ -24,6 +24,10 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="page overlap between consecutive tokens of a request, e.g. 0,0.8 (default: independent)")
     p.add_argument("--strategies", type=names, default=("auto",),
                    help="for the triton backend: auto, dedup, per-token (comma list)")
+    p.add_argument("--kv-forms", type=names, default=("packed",),
+                   help="cache forms to time on the same data: packed, separate, sglang (split layouts)")
+    p.add_argument("--integrations", type=names, default=(),
+                   help="engine drop-ins to time as well: sglang (comma list)")
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
     p.add_argument("--backends", type=names, default=("triton",))
@@ -55,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.context, backends=args.backends, baselines=args.baselines,
         baseline_max_batch=args.baseline_max_batch, graph=not args.no_graph,
         same_tokens=args.same_tokens, reps=args.reps, overlaps=args.overlap, strategies=args.strategies,
+        kv_forms=args.kv_forms, integrations=args.integrations,
     )
     result = run_sweep(config, args.out)
     print(summary_table(result))

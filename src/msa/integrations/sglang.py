@@ -1,0 +1,127 @@
+"""A drop-in for SGLang 0.5.23's MiniMax-M3 Hopper decode entry, running msa's kernels on SGLang's
+own KV pools — no copy of the cache into msa's packed layout.
+
+    # sglang/srt/layers/attention/minimax_sparse_ops/minimax_sparse.py, step 3 of
+    # minimax_sparse_decode: replace the call to flash_decode_with_gqa_share_sparse by
+    from msa.integrations.sglang import flash_decode_with_gqa_share_sparse
+
+The contract, as SGLang's `flash_decode_with_gqa_share_sparse` (in
+`sglang/kernels/ops/attention/minimax_sparse/decode/topk_sparse.py`) defines it:
+
+- `q` `[B, Hq, D]`: one query token per row (bf16/fp16, or fp8 e4m3 with `q_scale`).
+- `k_cache`, `v_cache` `[slots, Hkv, D]`: the layer's token pools (bf16/fp16 or fp8 e4m3); slot
+  `page * page_size + offset`. Pages of `page_size` contiguous slots (a multiple of
+  `block_size`), so every 128-token sparse block is `block_size` consecutive slots.
+- `req_to_token` int32 `[max_reqs, max_context]`: request slot -> position -> KV slot.
+- `seq_lens` `[B]`: KV length of each request including the current token (clamped to
+  `max_context`).
+- `slot_ids` `[B]`: each row's `req_to_token` row (SGLang's `req_pool_indices`).
+- `block_size`: the sparse block (128 for M3), a power of two.
+- `topk_idx` int32 `[Hkv, B, K]`: selected block ids, front-packed, `-1` at the tail.
+- `sm_scale` (default `D**-0.5`), `q_scale`, `k_scale`, `v_scale`: python floats or None (1.0).
+- returns a new `[B, Hq, D]` tensor (q's dtype, bf16 for fp8 q).
+
+msa computes the same attention with its own semantics, a superset of SGLang's: `-1` or an
+out-of-range id anywhere in a list is skipped (SGLang's kernel reads garbage for an interior
+`-1`), and a row that attends nothing gives zeros (SGLang's gives NaN); a row whose `slot_ids`
+entry is not a row of `req_to_token` attends nothing. Refused with `MSAUnsupportedError`: an
+attention sink (`sink`), HiSparse slots, and `page_size` that is not a multiple of
+`block_size` (SGLang's per-token gather mode, `page_size=0`), whose blocks are not contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from msa.api import sparse_decode
+from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.validation import check_tensor
+
+__all__ = ["flash_decode_with_gqa_share_sparse", "sglang_block_table", "pools_as_pages"]
+
+
+def pools_as_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's `[slots, Hkv, D]` pools as msa's `[pages, Hkv, block_size, D]` K and V views (no
+    copy; slots past the last whole page are not addressable)."""
+    views = []
+    for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, pool)
+        if pool.dim() != 3 or pool.stride(-1) != 1:
+            expected = "a [slots, Hkv, D] token pool with unit last stride"
+            raise MSAInputError(name, expected, f"shape {tuple(pool.shape)}")
+        pages = pool.shape[0] // block_size
+        paged = pool[: pages * block_size].view(pages, block_size, pool.shape[1], pool.shape[2])
+        views.append(paged.transpose(1, 2))
+    return views[0], views[1]
+
+
+def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """msa's int32 block table `[B, ceil(max_context / block_size)]`: the page of each request's
+    logical block, read from the first slot of the block (`req_to_token[slot, j*bs] // bs`)."""
+    firsts = req_to_token.index_select(0, slot_ids.long())[:, ::block_size]
+    return torch.div(firsts, block_size, rounding_mode="floor").to(torch.int32)
+
+
+def flash_decode_with_gqa_share_sparse(
+    q: torch.Tensor,
+    sink: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_ids: torch.Tensor,
+    block_size: int,
+    topk_idx: torch.Tensor,
+    sm_scale: float | None = None,
+    use_tma: bool = True,
+    page_size: int = 0,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    hisparse_slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SGLang's Hopper sparse decode entry on msa (see the module docstring for the contract).
+
+    `use_tma` is accepted and ignored (SGLang ignores it too).
+
+    Raises:
+        MSAUnsupportedError: a sink, HiSparse slots, or pages that are not whole sparse blocks.
+        MSAInputError: anything msa's own checks refuse, naming the argument.
+    """
+    if sink is not None:
+        raise MSAUnsupportedError(
+            "sink: msa has no attention sinks (a per-head logit added to the softmax); "
+            "keep SGLang's kernel for models that use them (MiniMax-M3 passes None)"
+        )
+    if hisparse_slots is not None:
+        raise MSAUnsupportedError("hisparse_slots: msa reads the KV pools directly, not HiSparse offload slots")
+    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise MSAInputError("block_size", "a power of two >= 16 (the sparse block, 128 for M3)", repr(block_size))
+    if not isinstance(page_size, int) or page_size <= 0 or page_size % block_size:
+        raise MSAUnsupportedError(
+            f"page_size: msa reads each sparse block as {block_size} consecutive slots, so SGLang's pages must "
+            f"be a positive multiple of block_size={block_size} (--page-size); got {page_size!r}"
+        )
+    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("slot_ids", slot_ids)):
+        check_tensor(name, t, q.device)
+    if req_to_token.dim() != 2:
+        raise MSAInputError("req_to_token", "[max_reqs, max_context]", f"shape {tuple(req_to_token.shape)}")
+    max_reqs, max_context = req_to_token.shape
+    valid = (slot_ids >= 0) & (slot_ids < max_reqs)
+    lens = torch.where(valid, seq_lens.clamp(max=max_context), 0).to(torch.int32)
+    table = sglang_block_table(req_to_token, torch.where(valid, slot_ids, 0), block_size)
+    out = sparse_decode(
+        q,
+        pools_as_pages(k_cache, v_cache, block_size),
+        topk_idx,
+        table,
+        lens,
+        decode_query_len=1,
+        sm_scale=sm_scale,
+        q_scale=1.0 if q_scale is None else q_scale,
+        k_scale=1.0 if k_scale is None else k_scale,
+        v_scale=1.0 if v_scale is None else v_scale,
+    )
+    return out

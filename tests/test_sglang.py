@@ -1,0 +1,118 @@
+"""msa.integrations.sglang: SGLang's Hopper MiniMax-M3 decode entry on msa, over SGLang's own pools.
+
+The fixture builds SGLang's structures as SGLang keeps them — per-layer token pools
+`[slots, Hkv, D]`, pages of `page_size` consecutive slots handed out in any order (page 0
+reserved), `req_to_token` mapping each request's positions to slots, `req_pool_indices` — and
+the same data as msa's packed cache, so the drop-in is compared with msa's reference."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa.integrations.sglang import flash_decode_with_gqa_share_sparse
+from msa.workload import indexer_topk
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+BLOCK = 16  # the sparse block (128 for M3; small here for the CPU)
+
+
+def _sglang_state(gen: torch.Generator, layout: str, page_size: int = 32, batch: int = 3, device: str = "cpu") -> dict[str, Any]:
+    hkv, hq, d, k = 2, 8, 64, 4
+    dtype = torch.float8_e4m3fn if layout == "fp8_e4m3" else torch.bfloat16
+    num_pages, max_reqs, max_context = 12, 6, 8 * BLOCK
+    k_pool = (torch.randn((num_pages * page_size, hkv, d), generator=gen) * 2).to(dtype)
+    v_pool = (torch.randn((num_pages * page_size, hkv, d), generator=gen) * 2).to(dtype)
+    req_to_token = torch.zeros((max_reqs, max_context), dtype=torch.int32)
+    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is SGLang's dummy page
+    lens = [int(torch.randint(1, max_context // 2, (1,), generator=gen)) for _ in range(batch)]
+    slot_ids = torch.randperm(max_reqs, generator=gen)[:batch].int()
+    for req, n in zip(slot_ids.tolist(), lens, strict=True):
+        pages = [free.pop() for _ in range(-(-n // page_size))]
+        pos = torch.arange(n)
+        req_to_token[req, :n] = (torch.tensor(pages)[pos // page_size] * page_size + pos % page_size).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    topk = indexer_topk(seq_lens, decode_query_len=1, num_kv_heads=hkv, topk=k, page_size=BLOCK,
+                        max_blocks=max_context // BLOCK, generator=gen).contiguous()
+    q = torch.randn((batch, hq, d), generator=gen).bfloat16()
+    state = dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=req_to_token, seq_lens=seq_lens,
+                 slot_ids=slot_ids, topk=topk, page_size=page_size, k_scale=0.5 if layout == "fp8_e4m3" else None)
+    return {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in state.items()}
+
+
+def _drop_in(s: dict[str, Any], **changes: Any) -> torch.Tensor:
+    kw: dict[str, Any] = dict(q=s["q"], sink=None, k_cache=s["k_pool"], v_cache=s["v_pool"], req_to_token=s["req_to_token"],
+                              seq_lens=s["seq_lens"], slot_ids=s["slot_ids"], block_size=BLOCK, topk_idx=s["topk"],
+                              page_size=s["page_size"], k_scale=s["k_scale"], v_scale=s["k_scale"])
+    kw.update(changes)
+    return flash_decode_with_gqa_share_sparse(**kw)
+
+
+def _reference(s: dict[str, Any]) -> torch.Tensor:
+    """msa's reference on the same data in msa's own packed cache (blocks gathered by position)."""
+    pools = (s["k_pool"], s["v_pool"])
+    pages = pools[0].shape[0] // BLOCK
+    packed = torch.cat([p[: pages * BLOCK].view(pages, BLOCK, *p.shape[1:]).transpose(1, 2) for p in pools], dim=-1)
+    table = (s["req_to_token"][s["slot_ids"].long(), ::BLOCK] // BLOCK).int()
+    scale = 1.0 if s["k_scale"] is None else s["k_scale"]
+    out = msa.sparse_decode(s["q"], packed.contiguous(), s["topk"], table, s["seq_lens"], decode_query_len=1,
+                            backend="reference", k_scale=scale, v_scale=scale)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3"])
+def test_drop_in_equals_the_reference(layout: str, gen: torch.Generator) -> None:
+    s = _sglang_state(gen, layout)
+    out = _drop_in(s)
+    assert out.shape == s["q"].shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(s).float(), rtol=2**-7, atol=2e-3)
+
+
+def test_rows_that_see_nothing_are_zero_not_nan(gen: torch.Generator) -> None:
+    s = _sglang_state(gen, "bfloat16")
+    s["topk"][:, 0] = -1  # row 0: every entry padding (SGLang's kernel gives NaN here)
+    s["slot_ids"][1] = 99  # row 1: not a row of req_to_token
+    out = _drop_in(s)
+    assert (out[:2] == 0).all() and torch.isfinite(out).all()
+
+
+def test_interior_minus_one_is_skipped(gen: torch.Generator) -> None:
+    """SGLang requires front-packed lists; msa skips a -1 anywhere (a superset)."""
+    s = _sglang_state(gen, "bfloat16")
+    packed = _drop_in(s)
+    s["topk"] = torch.cat([s["topk"][..., :1], torch.full_like(s["topk"][..., :1], -1), s["topk"][..., 1:]], dim=-1)
+    torch.testing.assert_close(_drop_in(s).float(), packed.float(), rtol=0, atol=0)
+
+
+def test_refusals(gen: torch.Generator) -> None:
+    s = _sglang_state(gen, "bfloat16")
+    with pytest.raises(msa.MSAUnsupportedError, match="^sink: msa has no attention sinks"):
+        _drop_in(s, sink=torch.zeros(8, 64))
+    with pytest.raises(msa.MSAUnsupportedError, match="^hisparse_slots"):
+        _drop_in(s, hisparse_slots=torch.zeros(1))
+    for page_size in (0, 24):
+        with pytest.raises(msa.MSAUnsupportedError, match=r"^page_size: msa reads each sparse block as 16 consecutive slots"):
+            _drop_in(s, page_size=page_size)
+    with pytest.raises(msa.MSAInputError, match=r"^block_size: expected a power of two"):
+        _drop_in(s, block_size=48)
+    with pytest.raises(msa.MSAInputError, match=r"^k_cache: expected a \[slots, Hkv, D\] token pool"):
+        _drop_in(s, k_cache=s["k_pool"].unsqueeze(0))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+def test_drop_in_through_the_triton_kernels(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MSA_BACKEND", "triton")
+    s = _sglang_state(gen, "fp8_e4m3")
+    torch.testing.assert_close(_drop_in(s).float(), _reference(s).float(), rtol=2**-7, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3"])
+def test_drop_in_on_gpu(layout: str, gen: torch.Generator) -> None:
+    s = _sglang_state(gen, layout, page_size=128, batch=16, device="cuda")
+    torch.testing.assert_close(_drop_in(s).float(), _reference(s).float(), rtol=2**-6, atol=3e-3)
