@@ -7,18 +7,27 @@ import threading
 from collections import OrderedDict
 from typing import Any, Literal, overload
 
+import attrs
 import torch
 
 from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
-from msa.layouts import KVCache
+from msa.layouts import KVCache, KVLayout
 from msa.planner import DecodePlanner
 from msa.platform import detect
 from msa.policy import default_policy
 from msa.problem import DecodeProblem
 from msa.registry import get_registry
 from msa.scales import Scale
-from msa.validation import check_decode_data, check_decode_inputs, check_flag, validation_requested
+from msa.validation import (
+    DecodeInputs,
+    byte_span,
+    check_decode_data,
+    check_decode_inputs,
+    check_disjoint,
+    check_flag,
+    validation_requested,
+)
 
 __all__ = ["sparse_decode", "select_backend", "available_backends"]
 
@@ -172,31 +181,43 @@ def sparse_decode(
 
     Thread safety: calls from any number of threads, and on any number of CUDA streams, are
     independent: each (thread, stream) pair plans with its own buffers.
+
+    Called eagerly, layer after layer (serving engines run attention between graph pieces), the
+    call stays cheap: the checks of a call are remembered per signature (shapes, strides,
+    dtypes, devices, scale forms — everything they depend on), and a step is planned once. The
+    per-row metadata is refreshed when `block_table`, `seq_lens` or `query_start_loc` are other
+    tensor objects than the previous call's, or were changed in place through torch (their
+    version counters); every later layer of a step reuses it. A caller that rewrites those same
+    tensor objects by other means (its own kernels) between steps must pass fresh objects (new
+    views), or use a `DecodePlanner`, whose `plan()` always refreshes.
     """
-    check_flag("validate", validate)
-    if not isinstance(backend, str):
-        raise MSAInputError("backend", "'auto' or a backend name (a str)", repr(backend))
-    problem, inputs = check_decode_inputs(
-        q,
-        kv_cache,
-        topk_indices,
-        block_table,
-        seq_lens,
-        decode_query_len=decode_query_len,
-        kv_cache_dtype=kv_cache_dtype,
-        sm_scale=sm_scale,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out=out,
-        lse=lse,
-        return_lse=return_lse,
-        query_start_loc=query_start_loc,
+    local = _thread_local()
+    signature = _call_signature(
+        q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len, kv_cache_dtype, sm_scale, q_scale,
+        k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc,
     )
-    if validation_requested(validate):
-        check_decode_data(problem, inputs)
-    device = inputs.q.device
-    planner = _one_shot_planner(problem, inputs.layout.name, backend, device)
+    known = local.calls.get(signature) if signature is not None else None
+    if known is None:
+        problem, inputs, planner = _checked_call(
+            q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len, kv_cache_dtype, sm_scale, q_scale,
+            k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc, signature,
+        )
+    else:  # checked before, with the same signature: only what depends on pointers is new
+        problem, planner, layout, scales, (out_bytes, q_bytes, lse_bytes) = known
+        if out is not None:
+            check_disjoint("out", out, "q", q, (out_bytes, q_bytes))
+            if lse is not None:
+                check_disjoint("lse", lse, "out", out, (lse_bytes, out_bytes))
+        sm, qs, ks, vs = (
+            value if isinstance(value, torch.Tensor) else checked
+            for value, checked in zip((sm_scale, q_scale, k_scale, v_scale), scales, strict=True)
+        )
+        inputs = DecodeInputs(
+            problem=problem, q=q, kv_cache=kv_cache, topk_indices=topk_indices, block_table=block_table,
+            seq_lens=seq_lens, layout=layout, sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs, out=out, lse=lse,
+            query_start_loc=query_start_loc, signature=signature,
+        )
+    device = q.device
     g = problem.geometry
     out_t = inputs.out
     if out_t is None:
@@ -207,7 +228,7 @@ def sparse_decode(
     with planner._exclusive():  # never contended: the planner belongs to this thread and stream
         plan = planner._plan(
             inputs.block_table, inputs.seq_lens, decode_query_len, inputs.query_start_loc,
-            problem.num_rows if problem.ragged else None,
+            problem.num_rows if problem.ragged else None, reuse_refresh=True,
         )
         plan.backend.run(plan.backend_plan, inputs, out_t, lse_t)
     if lse_t is not None:
@@ -217,24 +238,105 @@ def sparse_decode(
 
 #: Planners of the one-shot path, per thread (thread-local) and per CUDA stream: a plan's
 #: buffers are refreshed by one call and read by its kernels, so two calls may share them only
-#: when their work is ordered — same thread, same stream.
+#: when their work is ordered — same thread, same stream. Beside them, the signatures of the
+#: calls already checked.
 _LOCAL = threading.local()
 _MAX_PLANNERS = 16
+_MAX_CALLS = 256
+
+#: What a checked call remembers: its problem, planner, layout, its float scales as checked, and
+#: the byte spans of out, q and lse (for the overlap checks, which depend on pointers).
+_Known = tuple[DecodeProblem, DecodePlanner, KVLayout, tuple[Scale, Scale, Scale, Scale], tuple[int, int, int]]
 
 
-def _stream_key(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+def _thread_local() -> Any:
+    local = _LOCAL
+    if not hasattr(local, "calls"):
+        local.calls = {}
+        local.planners = OrderedDict()
+    return local
+
+
+def _stream_key(device_index: int) -> int:
+    """The current CUDA stream of a device (0 for the CPU), as cheaply as torch offers it."""
+    if device_index < 0:
+        return 0
+    return int(torch._C._cuda_getCurrentRawStream(device_index))
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _value_signature(value: object) -> object:
+    """A scale or flag as the checks saw it: its type with its value (True is not 1.0)."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_signature(value)
+    return (type(value), value)
+
+
+def _call_signature(
+    q: object, kv_cache: object, topk_indices: object, block_table: object, seq_lens: object,
+    decode_query_len: object, kv_cache_dtype: object, sm_scale: object, q_scale: object, k_scale: object,
+    v_scale: object, out: object, lse: object, return_lse: object, backend: object, validate: object,
+    query_start_loc: object,
+) -> tuple[Any, ...] | None:
+    """Everything the checks of a call depend on, except pointers — or None when the call must be
+    checked in full (deep checks asked for, or arguments that are not what they should be)."""
+    if validate is not False or os.environ.get("MSA_VALIDATE", "") not in ("", "0"):
+        return None
+    try:
+        assert isinstance(q, torch.Tensor)
+        cache = tuple(map(_tensor_signature, kv_cache)) if isinstance(kv_cache, tuple) else _tensor_signature(kv_cache)  # type: ignore[arg-type]
+        optional = tuple(None if t is None else _tensor_signature(t) for t in (out, lse, query_start_loc))  # type: ignore[arg-type]
+        scales = tuple(_value_signature(s) for s in (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len))
+        signature = (
+            _tensor_signature(q), cache, _tensor_signature(topk_indices), _tensor_signature(block_table),  # type: ignore[arg-type]
+            _tensor_signature(seq_lens), optional, scales, kv_cache_dtype, backend,  # type: ignore[arg-type]
+            os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(),
+        )
+        hash(signature)
+    except (AssertionError, AttributeError, TypeError, RuntimeError):
+        return None
+    return signature
+
+
+def _checked_call(
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    decode_query_len: int, kv_cache_dtype: str | None, sm_scale: Scale | None, q_scale: Scale, k_scale: Scale,
+    v_scale: Scale, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, backend: str,
+    validate: bool, query_start_loc: torch.Tensor | None, signature: tuple[Any, ...] | None,
+) -> tuple[DecodeProblem, DecodeInputs, DecodePlanner]:
+    """Every check of a call (and the deep ones when asked for); remembers it under `signature`."""
+    check_flag("validate", validate)
+    if not isinstance(backend, str):
+        raise MSAInputError("backend", "'auto' or a backend name (a str)", repr(backend))
+    problem, inputs = check_decode_inputs(
+        q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
+        kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        out=out, lse=lse, return_lse=return_lse, query_start_loc=query_start_loc,
+    )
+    if validation_requested(validate):
+        check_decode_data(problem, inputs)
+    planner = _one_shot_planner(problem, inputs.layout.name, backend, inputs.q.device)
+    if signature is not None:
+        calls = _thread_local().calls
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        scales = (inputs.sm_scale, inputs.q_scale, inputs.k_scale, inputs.v_scale)
+        spans = tuple(0 if t is None else byte_span(t) for t in (out, q, lse))
+        calls[signature] = (problem, planner, inputs.layout, scales, spans)
+        inputs = attrs.evolve(inputs, signature=signature)
+    return problem, inputs, planner
 
 
 def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device: torch.device) -> DecodePlanner:
     """This thread's planner for this configuration and stream (bounded, least recently used
     dropped)."""
-    planners: OrderedDict[tuple[Any, ...], DecodePlanner] | None = getattr(_LOCAL, "planners", None)
-    if planners is None:
-        planners = _LOCAL.planners = OrderedDict()
+    planners: OrderedDict[tuple[Any, ...], DecodePlanner] = _thread_local().planners
     registry = get_registry()
     key = (
-        problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(device),
+        problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(q_index(device)),
         problem.q_dtype, problem.return_lse, registry,
     )
     planner = planners.get(key)
@@ -248,3 +350,8 @@ def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device:
             planners.popitem(last=False)
     planners.move_to_end(key)
     return planner
+
+
+def q_index(device: torch.device) -> int:
+    """The CUDA index of `device` (-1 off CUDA)."""
+    return device.index if device.type == "cuda" and device.index is not None else -1

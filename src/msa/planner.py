@@ -264,8 +264,12 @@ class DecodePlanner:
         query_start_loc: torch.Tensor | None,
         ragged_rows: int | None,
         seq_lens_cpu: torch.Tensor | None = None,
+        *,
+        reuse_refresh: bool = False,
     ) -> DecodePlan:
-        """`plan()` on checked tables (the one-shot path checks them once, beforehand)."""
+        """`plan()` on checked tables (the one-shot path checks them once, beforehand). With
+        `reuse_refresh`, a plan whose tables are these very tensors, unchanged through torch since
+        its last refresh, is not refreshed again (the later layers of an eager step)."""
         policy = self.policy if self.policy is not None else default_policy()
         key = self._key(lens.shape[0], decode_query_len, table.stride(0), ragged_rows, policy)
         created = False
@@ -281,9 +285,11 @@ class DecodePlanner:
 
         plan = self.plans.get_or_create(key, create)
         plan.thread = threading.get_ident()
-        if not created:  # a cached plan, or a released one still held: refresh it in place
-            plan.tables.update(table, lens, query_start_loc=query_start_loc, seq_lens_cpu=seq_lens_cpu)
-            plan.backend.refresh(plan.backend_plan, plan.tables)
+        if created or (reuse_refresh and plan.tables.holds(table, lens, query_start_loc, seq_lens_cpu)):
+            return plan
+        # a cached plan, or a released one still held: refresh it in place
+        plan.tables.update(table, lens, query_start_loc=query_start_loc, seq_lens_cpu=seq_lens_cpu)
+        plan.backend.refresh(plan.backend_plan, plan.tables)
         return plan
 
     def run(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Hashable
 
 import attrs
 import torch
@@ -30,6 +31,8 @@ __all__ = [
     "check_tensor",
     "check_int32",
     "check_flag",
+    "check_disjoint",
+    "byte_span",
 ]
 
 #: dtypes accepted for `q`.
@@ -53,6 +56,9 @@ class DecodeInputs:
         lse: `[B*L, Hq]` fp32 log-sum-exp output, or None.
         query_start_loc: int32 `[B+1]` for ragged steps (request `b` owns rows
             `[qsl[b], qsl[b+1])`), else None.
+        signature: what the call's checks depended on (shapes, strides, dtypes, devices, scale
+            forms), when the caller computed it (`msa.sparse_decode` does): backends may memoise
+            per signature what depends on nothing else. None: no memo.
     """
 
     problem: DecodeProblem
@@ -69,6 +75,7 @@ class DecodeInputs:
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     query_start_loc: torch.Tensor | None = None
+    signature: Hashable | None = None
 
 
 def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -117,11 +124,21 @@ def _check_no_self_overlap(argument: str, t: torch.Tensor) -> None:
         covered += stride * (size - 1)
 
 
-def _check_disjoint(argument: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
-    if t.numel() == 0 or other.numel() == 0:
+def byte_span(t: torch.Tensor) -> int:
+    """Bytes from the first to one past the last byte `t` addresses (0 when empty)."""
+    return 0 if t.numel() == 0 else _span(t) * t.element_size()
+
+
+def check_disjoint(
+    argument: str, t: torch.Tensor, other_name: str, other: torch.Tensor, spans: tuple[int, int] | None = None
+) -> None:
+    """`t` and `other` share no memory (an output must not overwrite an input or another output).
+    `spans`: their `byte_span`s, when the caller knows them (they depend on shapes alone)."""
+    t_bytes, other_bytes = spans if spans is not None else (byte_span(t), byte_span(other))
+    if t_bytes == 0 or other_bytes == 0:
         return
     a0, b0 = t.data_ptr(), other.data_ptr()
-    a1, b1 = a0 + _span(t) * t.element_size(), b0 + _span(other) * other.element_size()
+    a1, b1 = a0 + t_bytes, b0 + other_bytes
     if a0 < b1 and b0 < a1:
         raise MSAInputError(argument, f"memory that does not overlap {other_name}", "an overlapping tensor")
 
@@ -264,9 +281,9 @@ def check_decode_inputs(
     out_t = _check_output("out", out, (rows, num_q_heads, head_dim), out_dtype, device)
     lse_t = _check_output("lse", lse, (rows, num_q_heads), torch.float32, device)
     if out_t is not None:
-        _check_disjoint("out", out_t, "q", q_t)
+        check_disjoint("out", out_t, "q", q_t)
         if lse_t is not None:
-            _check_disjoint("lse", lse_t, "out", out_t)
+            check_disjoint("lse", lse_t, "out", out_t)
 
     geometry = Geometry(
         num_q_heads=num_q_heads,

@@ -34,6 +34,8 @@ def add_parser(subparsers: Subparsers) -> None:
     p.add_argument("--baselines", type=names, default=("torch",), help="torch, flex (or empty)")
     p.add_argument("--baseline-max-batch", type=positive_int, default=64)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
+    p.add_argument("--eager", action="store_true",
+                   help="eager calls instead: host us per call next to one empty Triton launch, and wall time")
     p.add_argument("--reps", type=positive_int, default=50)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for bench.json and bench.png")
     p.add_argument("--plot", type=bench_file, default=None, help="only draw the plot of an existing bench.json")
@@ -61,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         same_tokens=args.same_tokens, reps=args.reps, overlaps=args.overlap, strategies=args.strategies,
         kv_forms=args.kv_forms, integrations=args.integrations,
     )
+    if args.eager:
+        from msa.bench.eager import eager_table, run_eager
+
+        eager = run_eager(config, args.out)
+        print(f"one empty Triton launch: {eager['empty_launch_us']:.1f} us of host time")
+        print(eager_table(eager))
+        print(f"results: {args.out / 'eager.json'}")
+        return 0
     result = run_sweep(config, args.out)
     print(summary_table(result))
     print(f"results: {args.out / 'bench.json'}")

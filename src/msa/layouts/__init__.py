@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, cache_device, cache_nbytes
+from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, cache_device, cache_nbytes
 from msa.layouts.nvfp4 import NVFP4, NVFP4HeadSlotLayout
 from msa.layouts.split import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, SplitLayout
 
@@ -23,6 +23,7 @@ __all__ = [
     "CacheShape",
     "KVCache",
     "KVLayout",
+    "KVOperands",
     "cache_device",
     "cache_nbytes",
     "SplitLayout",

@@ -13,7 +13,7 @@ from msa.errors import MSAInputError
 from msa.platform import triton_available
 from msa.scales import Scale, check_scale
 
-__all__ = ["CacheShape", "KVCache", "KVLayout", "SlotWrite", "cache_device", "cache_nbytes"]
+__all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "cache_device", "cache_nbytes"]
 
 _KV_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,6 +42,27 @@ class CacheShape:
     num_kv_heads: int
     page_size: int
     head_dim: int
+
+
+@attrs.frozen
+class KVOperands:
+    """How a kernel addresses a cache's keys and values, without creating views: element
+    `(page, head, token, i)` of K is at `k + page*k_strides[0] + head*k_strides[1] +
+    token*k_strides[2] + i`, and of V at `v + v_offset + ...` with `v_strides` (for NVFP4 a
+    "token" row is not addressed through the strides: a head slot is one run of bytes).
+
+    Attributes:
+        k, v: the base tensors (the cache itself, or the two tensors of a pair).
+        v_offset: elements from `v`'s base to the first value (D in a packed split cache, one
+            head slot in NVFP4, 0 for a pair).
+        k_strides, v_strides: (page, head, token) strides in elements.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    v_offset: int
+    k_strides: tuple[int, int, int]
+    v_strides: tuple[int, int, int]
 
 
 @attrs.frozen
@@ -98,6 +119,11 @@ class KVLayout(abc.ABC):
         last stride of the cache: `W = D` for the split layouts (the two tensors themselves for
         a pair), the `D/2 + D/16` bytes of a head slot for NVFP4. Readers and writers go
         through these views, so a packed cache and a pair are read by the same code."""
+
+    @abc.abstractmethod
+    def kv_operands(self, cache: KVCache) -> KVOperands:
+        """The same keys and values as `kv_views`, as kernels address them (no view created:
+        the per-call cost of a launch)."""
 
     # -- geometry ---------------------------------------------------------------------------
     @abc.abstractmethod

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, SlotWrite
+from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite
 from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = [
@@ -118,6 +118,11 @@ class NVFP4HeadSlotLayout(KVLayout):
     def kv_views(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         slots = _one_tensor(cache)
         return slots[:, 0::2], slots[:, 1::2]
+
+    def kv_operands(self, cache: KVCache) -> KVOperands:
+        slots = _one_tensor(cache)
+        strides = (slots.stride(0), 2 * slots.stride(1), slots.stride(2))  # head h: slots 2h (K), 2h+1 (V)
+        return KVOperands(slots, slots, slots.stride(1), strides, strides)
 
     def cache_shape(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, SlotWrite, cache_device
+from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite, cache_device
 from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = ["SplitLayout", "AUTO", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
@@ -42,6 +42,13 @@ class SplitLayout(KVLayout):
             return cache
         d = cache.shape[-1] // 2
         return cache[..., :d], cache[..., d:]
+
+    def kv_operands(self, cache: KVCache) -> KVOperands:
+        if isinstance(cache, tuple):
+            k, v = cache
+            return KVOperands(k, v, 0, (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2)))
+        strides = (cache.stride(0), cache.stride(1), cache.stride(2))
+        return KVOperands(cache, cache, cache.shape[-1] // 2, strides, strides)
 
     def cache_shape(
         self, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int

@@ -31,6 +31,10 @@ class StepTables:
     seq_lens_cpu: torch.Tensor | None
     rows: RowMetadata
     query_start_loc: torch.Tensor | None = None
+    versions: tuple[int, ...] | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.versions = _versions(self.block_table, self.seq_lens, self.query_start_loc)
 
     @classmethod
     def build(
@@ -64,3 +68,31 @@ class StepTables:
         self.block_table, self.seq_lens, self.seq_lens_cpu = block_table, seq_lens, seq_lens_cpu
         self.query_start_loc = query_start_loc
         self.rows.refresh(seq_lens, query_start_loc)
+        self.versions = _versions(block_table, seq_lens, query_start_loc)
+
+    def holds(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> bool:
+        """These are the very tensors of the last refresh, and torch has not changed them in
+        place since (their version counters; None where torch keeps none, which never holds)."""
+        return (
+            self.block_table is block_table
+            and self.seq_lens is seq_lens
+            and self.query_start_loc is query_start_loc
+            and self.seq_lens_cpu is seq_lens_cpu
+            and self.versions is not None
+            and self.versions == _versions(block_table, seq_lens, query_start_loc)
+        )
+
+
+def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The version counters of `tensors` (-1 for None), or None when torch keeps none (inference
+    tensors)."""
+    try:
+        return tuple(-1 if t is None else t._version for t in tensors)
+    except RuntimeError:
+        return None

@@ -14,7 +14,7 @@ import torch
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
 from msa.backends.triton.config import LaunchConfig, choose_config
-from msa.backends.triton.launch import Workspace, launch_decode
+from msa.backends.triton.launch import LaunchMemo, Workspace, launch_decode
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -32,6 +32,7 @@ class TritonPlan:
     config: LaunchConfig
     workspace: Workspace
     rows: RowMetadata
+    memo: LaunchMemo = attrs.field(factory=LaunchMemo)
 
 
 class TritonBackend(Backend[TritonPlan]):
@@ -86,4 +87,4 @@ class TritonBackend(Backend[TritonPlan]):
         return TritonPlan(problem, config, Workspace(problem, config, device), tables.rows)
 
     def run(self, plan: TritonPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        launch_decode(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace)
+        launch_decode(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace, plan.memo)

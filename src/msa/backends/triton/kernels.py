@@ -10,9 +10,10 @@ software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale
 every float scale; tensor scales are read on the device (graph-safe). An entry the semantics
 skip is never read: its page pointer is not formed and its tile is not loaded.
 
-Keys and values are read through their own base pointers and (page, head, token) strides: a
-packed `[pages, Hkv, P, 2D]` cache is the case `v = k + D` with equal strides, a pair of caches
-(or SGLang's token pools viewed as pages) any other. NVFP4 reads a head slot from `k` / `v`.
+Keys and values are read through their own base pointers and (page, head, token) strides, as
+the layout hands them over (`KVLayout.kv_operands`): a packed `[pages, Hkv, P, 2D]` cache is the
+case `v = k` with `v_offset = D`, a pair of caches (or SGLang's token pools viewed as pages) two
+tensors with `v_offset = 0`; NVFP4 reads a head slot from `k` / `v + v_offset`.
 
 All three decode kernels take the same named arguments (`launch.decode_args` builds them). With
 one split a program writes the normalised output (and the LSE); with several it writes its
@@ -176,7 +177,7 @@ def split_decode_kernel(
     q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks, num_rows,
+    num_pages, max_blocks, num_rows, v_offset,
     stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
     stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -208,7 +209,7 @@ def split_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         s = tl.where(visible[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_rows = v_ptr + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
+        v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
         v = tl.load(v_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
     _store_result(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
@@ -244,7 +245,7 @@ def nvfp4_decode_kernel(
     q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks, num_rows,
+    num_pages, max_blocks, num_rows, v_offset,
     stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
     stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -281,7 +282,7 @@ def nvfp4_decode_kernel(
         s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
         s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_even, v_odd = _nvfp4_tile(v_ptr + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
+        v_even, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
                                     BLOCK_N, True, COMPUTE)
         p = p.to(COMPUTE)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
@@ -306,7 +307,7 @@ def split_dedup_kernel(
     q_ptr, k_ptr, v_ptr, topk_ptr, table_ptr, row_request_ptr, req_start_ptr, q_pos_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
     sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, qk_scale, v_scale,
-    num_pages, max_blocks, num_rows,
+    num_pages, max_blocks, num_rows, v_offset,
     stride_qr, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
     stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -396,7 +397,7 @@ def split_dedup_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_rows = v_ptr + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
+        v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
         v = tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
     _store_result(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,

@@ -1,9 +1,18 @@
 """Host side of the Triton decode: the kernels' arguments (built in one place), the workspace and
-the launches."""
+the launches.
+
+Eager callers (a serving engine runs attention between graph pieces) pay Triton's Python launch
+path on every call, so a plan keeps a memo per call signature (`DecodeInputs.signature`, set by
+`msa.sparse_decode`): the arguments that depend on shapes, strides and dtypes alone are built
+once, and on a GPU the compiled kernels are launched directly, without Triton's binder, as long
+as the pointer alignments they were specialised for still hold (`MSA_TRITON_DIRECT_LAUNCH=0`
+turns direct launches off).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
@@ -24,7 +33,12 @@ from msa.problem import DecodeProblem
 from msa.scales import Scale
 from msa.validation import DecodeInputs
 
-__all__ = ["launch_decode", "interpreting", "Workspace", "ScaleArgs", "decode_args"]
+__all__ = ["launch_decode", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo"]
+
+#: The tensor arguments of the decode kernels (replaced per call; everything else is static for
+#: a call signature).
+_TENSOR_ARGS = ("q_ptr", "k_ptr", "v_ptr", "topk_ptr", "table_ptr", "out_ptr", "lse_ptr",
+                "sm_scale_ptr", "q_scale_ptr", "k_scale_ptr", "v_scale_ptr")
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _COMPUTE = {"fp16": tl.float16, "bf16": tl.bfloat16}
@@ -107,18 +121,19 @@ def decode_args(
     compile-time constants). The kernels' own constants come from `_kernel_constants`."""
     g = problem.geometry
     q, topk, table = inputs.q, inputs.topk_indices, inputs.block_table
-    keys, values = problem.layout.kv_views(inputs.kv_cache)
+    kv = problem.layout.kv_operands(inputs.kv_cache)
+    (stride_kp, stride_kh, stride_kt), (stride_vp, stride_vh, stride_vt) = kv.k_strides, kv.v_strides
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
-    compute, precision = _compute_dtype(q.dtype, keys.dtype, config)
+    compute, precision = _compute_dtype(q.dtype, kv.k.dtype, config)
     return dict(
-        q_ptr=q, k_ptr=keys, v_ptr=values, topk_ptr=topk, table_ptr=table,
+        q_ptr=q, k_ptr=kv.k, v_ptr=kv.v, topk_ptr=topk, table_ptr=table,
         row_request_ptr=rows.row_request, req_start_ptr=rows.req_start, q_pos_ptr=rows.q_pos,
         out_ptr=out, lse_ptr=lse_arg, part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml,
         **ScaleArgs.of(inputs).kernel_args(dummy=out),
-        num_pages=keys.shape[0], max_blocks=table.shape[1], num_rows=problem.num_rows,
+        num_pages=kv.k.shape[0], max_blocks=table.shape[1], num_rows=problem.num_rows, v_offset=kv.v_offset,
         stride_qr=q.stride(0), stride_qh=q.stride(1),
-        stride_kp=keys.stride(0), stride_kh=keys.stride(1), stride_kt=keys.stride(2),
-        stride_vp=values.stride(0), stride_vh=values.stride(1), stride_vt=values.stride(2),
+        stride_kp=stride_kp, stride_kh=stride_kh, stride_kt=stride_kt,
+        stride_vp=stride_vp, stride_vh=stride_vh, stride_vt=stride_vt,
         stride_th=topk.stride(0), stride_tr=topk.stride(1), stride_tk=topk.stride(2), stride_bt=table.stride(0),
         stride_or=out.stride(0), stride_oh=out.stride(1),
         stride_lr=lse_arg.stride(0), stride_lh=lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
@@ -139,6 +154,99 @@ def _kernel_constants(problem: DecodeProblem, config: LaunchConfig) -> dict[str,
                 TOPK_PAD=max(2, 1 << max(topk - 1, 0).bit_length()))
 
 
+def _direct_launch_enabled() -> bool:
+    return not interpreting() and os.environ.get("MSA_TRITON_DIRECT_LAUNCH", "1") != "0"
+
+
+class _Kernel:
+    """One Triton kernel of a plan's call signature: launched through Triton the first time (which
+    compiles it), then directly through its compiled launcher while the pointer alignments
+    (Triton specialises on 16-byte alignment) are the same."""
+
+    def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
+        self.fn = fn
+        self.grid = (grid + (1, 1))[:3]
+        self.compiled: dict[tuple[bool, ...], Any] = {}
+
+    def __call__(self, args: dict[str, Any], direct: bool) -> None:
+        if not direct:
+            self.fn[self.grid](**args)
+            return
+        names = self.fn.arg_names
+        values = [args[n] for n in names]
+        aligned = tuple(v.data_ptr() % 16 == 0 for v in values if isinstance(v, torch.Tensor))
+        compiled = self.compiled.get(aligned)
+        if compiled is None:
+            compiled = self.fn[self.grid](**args)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+                self.compiled[aligned] = compiled
+            return
+        from triton import knobs
+        from triton.runtime import driver
+
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        runtime = knobs.runtime
+        g0, g1, g2 = self.grid
+        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(self.grid, stream, *values), runtime.launch_enter_hook,
+                     runtime.launch_exit_hook, *values)
+
+
+#: A kernel of a step and the function that turns the decode arguments into its own.
+_Launch = tuple[_Kernel, Callable[[dict[str, Any]], dict[str, Any]]]
+
+
+class LaunchMemo:
+    """A plan's launches per call signature: the static kernel arguments and the kernels."""
+
+    def __init__(self, limit: int = 32) -> None:
+        self.limit = limit
+        self._entries: dict[Hashable, tuple[dict[str, Any], list[_Launch]]] = {}
+
+    def get(self, signature: Hashable | None) -> tuple[dict[str, Any], list[_Launch]] | None:
+        return None if signature is None else self._entries.get(signature)
+
+    def put(self, signature: Hashable | None, entry: tuple[dict[str, Any], list[_Launch]]) -> None:
+        if signature is None:
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[signature] = entry
+
+
+def _launches(
+    problem: DecodeProblem, rows: RowMetadata, config: LaunchConfig, workspace: Workspace, with_lse: bool,
+) -> list[_Launch]:
+    """The kernels of a step, each with the function that turns the decode arguments into its own."""
+    g = problem.geometry
+    launches: list[_Launch] = []
+    if config.dedup:
+        grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
+        launches.append((_Kernel(split_dedup_kernel, grid), lambda a: a))
+    else:
+        kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
+        grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
+        launches.append((_Kernel(kernel, grid), lambda a: a))
+    if config.num_splits > 1:
+        merge_constants = dict(
+            part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml, q_pos_ptr=rows.q_pos,
+            NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
+            BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(), WRITE_LSE=with_lse, num_warps=4,
+        )
+        launches.append((_Kernel(merge_kernel, (problem.num_rows * g.num_q_heads,)), lambda a: dict(
+            merge_constants, out_ptr=a["out_ptr"], lse_ptr=a["lse_ptr"], v_scale_ptr=a["v_scale_ptr"],
+            v_scale=a["v_scale"], stride_or=a["stride_or"], stride_oh=a["stride_oh"], stride_lr=a["stride_lr"],
+            stride_lh=a["stride_lh"], V_SCALE_PTR=a["V_SCALE_PTR"])))
+    elif config.dedup and rows.ragged:
+        # rows owned by no request: no dedup program covers them (the merge zeroes them when split)
+        pad_constants = dict(q_pos_ptr=rows.q_pos, NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim,
+                             BLOCK_H=1 << max(g.num_q_heads - 1, 0).bit_length(), WRITE_LSE=with_lse)
+        launches.append((_Kernel(pad_rows_kernel, (problem.num_rows,)), lambda a: dict(
+            pad_constants, out_ptr=a["out_ptr"], lse_ptr=a["lse_ptr"], stride_or=a["stride_or"],
+            stride_oh=a["stride_oh"], stride_lr=a["stride_lr"], stride_lh=a["stride_lh"])))
+    return launches
+
+
 def launch_decode(
     problem: DecodeProblem,
     inputs: DecodeInputs,
@@ -147,32 +255,30 @@ def launch_decode(
     lse: torch.Tensor | None,
     config: LaunchConfig,
     workspace: Workspace,
+    memo: LaunchMemo | None = None,
 ) -> None:
     """Run the decode kernel (and the merge when split) into `out` / `lse`. Allocates nothing
     and never synchronises: every buffer is the caller's or the plan's."""
-    g = problem.geometry
     if problem.num_rows == 0:
         return
-    args = decode_args(problem, inputs, rows, out, lse, config, workspace)
-    args.update(_kernel_constants(problem, config))
-    if config.dedup:
-        grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
-        split_dedup_kernel[grid](**args)
-    else:
-        kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
-        kernel[(problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)](**args)
-    if config.num_splits > 1:
-        merge_kernel[(problem.num_rows * g.num_q_heads,)](
-            workspace.partial_out, workspace.partial_ml, out, args["lse_ptr"], args["v_scale_ptr"], args["v_scale"],
-            rows.q_pos, out.stride(0), out.stride(1), args["stride_lr"], args["stride_lh"],
-            NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
-            BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(),
-            V_SCALE_PTR=args["V_SCALE_PTR"], WRITE_LSE=lse is not None, num_warps=4,
-        )
-    elif config.dedup and rows.ragged:
-        # rows owned by no request: no dedup program covers them (the merge zeroes them when split)
-        pad_rows_kernel[(problem.num_rows,)](
-            rows.q_pos, out, args["lse_ptr"], out.stride(0), out.stride(1), args["stride_lr"], args["stride_lh"],
-            NUM_Q_HEADS=g.num_q_heads, BLOCK_H=1 << max(g.num_q_heads - 1, 0).bit_length(),
-            HEAD_DIM=g.head_dim, WRITE_LSE=lse is not None,
-        )
+    entry = memo.get(inputs.signature) if memo is not None else None
+    if entry is None:
+        args = decode_args(problem, inputs, rows, out, lse, config, workspace)
+        args.update(_kernel_constants(problem, config))
+        entry = ({k: v for k, v in args.items() if k not in _TENSOR_ARGS},
+                 _launches(problem, rows, config, workspace, lse is not None))
+        if memo is not None:
+            memo.put(inputs.signature, entry)
+    else:  # same shapes, strides, dtypes and scale forms as a call before: only the tensors are new
+        static, _ = entry
+        kv = problem.layout.kv_operands(inputs.kv_cache)
+        args = dict(static, q_ptr=inputs.q, k_ptr=kv.k, v_ptr=kv.v, topk_ptr=inputs.topk_indices,
+                    table_ptr=inputs.block_table, out_ptr=out, lse_ptr=lse if lse is not None else out)
+        args.update((f"{name}_ptr", value) for name in ("sm_scale", "q_scale", "k_scale", "v_scale")
+                    if isinstance(value := getattr(inputs, name), torch.Tensor))
+        args.setdefault("sm_scale_ptr", out)
+        for name in ("q_scale_ptr", "k_scale_ptr", "v_scale_ptr"):
+            args.setdefault(name, out)
+    direct = memo is not None and inputs.signature is not None and _direct_launch_enabled()
+    for kernel, kernel_args in entry[1]:
+        kernel(kernel_args(args), direct)

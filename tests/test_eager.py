@@ -1,0 +1,89 @@
+"""The eager fast path of msa.sparse_decode: a call with the signature of a checked one skips the
+checks that depend only on that signature, and the layers of one step share one refresh — without
+changing any result or letting a bad argument through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import msa
+from msa import api
+from msa.workload import make_decode_step
+
+GEOMETRY = msa.Geometry(8, 2, 64, 16, 4)
+
+
+def _layers(count: int, layout: str = "bfloat16", seed: int = 0) -> list[dict[str, Any]]:
+    """`count` layers of one step: shared metadata, each layer its own q, cache and indices."""
+    steps = [make_decode_step(GEOMETRY, batch_size=3, decode_query_len=2, context_len=100, kv_cache_dtype=layout,
+                              seed=seed + i) for i in range(count)]
+    first = steps[0]
+    return [dict(s.kwargs(), block_table=first.block_table, seq_lens=first.seq_lens) for s in steps]
+
+
+def _refreshes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = msa.planning.RowMetadata.refresh
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(msa.planning.RowMetadata, "refresh", counting)
+    return calls
+
+
+def test_layers_of_a_step_share_one_refresh_and_give_exact_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = _layers(4)
+    expected = [msa.sparse_decode(**kw, backend="reference", validate=True) for kw in layers]  # full path
+    refreshes = _refreshes(monkeypatch)
+    got = [msa.sparse_decode(**kw, backend="reference") for kw in layers]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert len(refreshes) <= 1, "one refresh for the step (none if the checked call already refreshed it)"
+    # the next step changes the lengths in place through torch: the version counter says so
+    layers[0]["seq_lens"].sub_(1)
+    refreshes.clear()
+    again = [msa.sparse_decode(**kw, backend="reference") for kw in layers]
+    assert len(refreshes) == 1
+    fresh = [msa.sparse_decode(**kw, backend="reference", validate=True) for kw in layers]
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh, strict=True))
+
+
+def test_new_metadata_objects_are_refreshed(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = _layers(2)
+    msa.sparse_decode(**layers[0], backend="reference")
+    refreshes = _refreshes(monkeypatch)
+    lens = layers[0]["seq_lens"].clone()
+    lens[0] -= 5
+    out = msa.sparse_decode(**dict(layers[0], seq_lens=lens), backend="reference")
+    assert len(refreshes) == 1
+    assert torch.equal(out, msa.sparse_decode(**dict(layers[0], seq_lens=lens), backend="reference", validate=True))
+
+
+def test_a_known_signature_still_refuses_bad_values() -> None:
+    kw = _layers(1)[0]
+    msa.sparse_decode(**kw, backend="reference")
+    signature_calls = len(api._thread_local().calls)
+    assert signature_calls >= 1
+    with pytest.raises(msa.MSAInputError, match=r"^k_scale: expected a float or a one-element fp32 tensor, got True"):
+        msa.sparse_decode(**dict(kw, k_scale=True), backend="reference")
+    with pytest.raises(msa.MSAInputError, match=r"^v_scale: expected a finite scale > 0, got nan"):
+        msa.sparse_decode(**dict(kw, v_scale=float("nan")), backend="reference")
+    with pytest.raises(msa.MSAInputError, match=r"^out: expected memory that does not overlap q"):
+        msa.sparse_decode(**kw, out=kw["q"], backend="reference")
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    msa.sparse_decode(**kw, out=out, backend="reference")
+    with pytest.raises(msa.MSAInputError, match=r"^out: expected memory that does not overlap q"):
+        msa.sparse_decode(**dict(kw, q=out), out=out, backend="reference")  # the same signature, aliased
+
+
+def test_other_signatures_are_checked_in_full() -> None:
+    kw = _layers(1)[0]
+    msa.sparse_decode(**kw, backend="reference")
+    with pytest.raises(msa.MSAInputError, match=r"^topk_indices: expected shape"):
+        msa.sparse_decode(**dict(kw, topk_indices=kw["topk_indices"][:1]), backend="reference")
+    with pytest.raises(msa.MSAInputError, match=r"^q: expected"):
+        msa.sparse_decode(**dict(kw, q=kw["q"].float()), backend="reference")
