@@ -20,6 +20,7 @@ import triton
 
 import msa
 from msa.backends.triton import TritonBackend
+from msa.layouts import cache_nbytes
 from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
@@ -55,7 +56,7 @@ def main() -> None:
         )
         print(
             f"{layout}: built in {time.time() - t0:.1f}s, "
-            f"cache {step.kv_cache.numel() * step.kv_cache.element_size() / 2**30:.1f} GiB",
+            f"cache {cache_nbytes(step.kv_cache) / 2**30:.1f} GiB",
             flush=True,
         )
         computes = ("fp16", "bf16") if layout != "bfloat16" else ("fp16",)

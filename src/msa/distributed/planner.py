@@ -1,0 +1,243 @@
+"""CUDA-graph-stable distributed decode: plan every step, capture `run` once per batch size.
+
+    planner = DistributedDecodePlanner(msa.MINIMAX_M3, group=dcp_group, kv_cache_dtype="fp8", device="cuda")
+    plan = planner.plan(local_block_table, seq_lens, decode_query_len=L)   # every step, outside capture
+    planner.run(plan, q, local_cache, topk_indices, out=out, k_scale=k, v_scale=v)  # capturable
+
+`plan` delegates to an internal `msa.DecodePlanner` (created with `with_lse=True`) and attaches
+the step shape's `Exchange`: the buffers the local partial is written into and every
+communication buffer, allocated once per shape. `run` decodes into those buffers, runs the
+collectives into preallocated tensors (`all_gather_into_tensor` / `all_to_all_single` /
+`reduce_scatter_tensor` / `all_reduce` with their output tensors given) and combines into the
+caller's `out` / `lse` with one kernel. It allocates nothing, never synchronises with the host
+and never copies device data to the host, so with NCCL it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import attrs
+import torch
+
+from msa.distributed.checks import check_shard, run_checked
+from msa.distributed.exchange import Exchange, check_method
+from msa.distributed.group import GroupInfo, ProcessGroup, group_info
+from msa.errors import MSAInputError
+from msa.layouts import KVCache
+from msa.planner import DecodePlan, DecodePlanner, PlanKey
+from msa.planning import PlanCache
+from msa.platform import Platform
+from msa.policy import SelectionPolicy
+from msa.problem import Geometry
+from msa.scales import Scale
+from msa.validation import check_decode_inputs, check_flag, output_dtype, validation_requested
+
+__all__ = ["DistributedDecodePlan", "DistributedDecodePlanner"]
+
+
+@attrs.define(eq=False)
+class DistributedDecodePlan:
+    """A planned step shape on one rank: the local plan and the exchange that merges it.
+
+    Attributes:
+        local: the internal `msa.DecodePlan` (rank-local table, LSE on).
+        exchange: the buffers and collectives of the merge.
+    """
+
+    local: DecodePlan
+    exchange: Exchange
+    owner: object = attrs.field(repr=False)
+    retired: bool = False
+
+    @property
+    def key(self) -> PlanKey:
+        return self.local.key
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every device buffer a captured graph depends on (local plan and exchange)."""
+        found = {f"local.{k}": v for k, v in self.local.buffers().items()}
+        found.update({f"exchange.{k}": v for k, v in self.exchange.buffers().items()})
+        return found
+
+
+class DistributedDecodePlanner:
+    """Plans and runs decode steps over a KV cache spread across a process group.
+
+    Args:
+        geometry: heads, head dim, page size, top-k of this rank (the whole DCP group's query
+            heads when scattering heads).
+        group: the process group (None: the default group). Its size `W` and this rank are read
+            once, here.
+        method: how to merge (see `msa.distributed.merge_partials`): default "all_gather", or
+            "reduce_scatter" with `scatter_heads`.
+        scatter_heads: each rank keeps its `Hq / W` heads (`out` `[B*L, Hq/W, D]`).
+        reduce_dtype: dtype of the summed partials for "reduce_scatter" / "all_reduce" (default
+            fp32; bf16/fp16 halve those bytes at one rounding per rank).
+        kv_cache_dtype, backend, device, q_dtype, max_plans, platform, policy: as for
+            `msa.DecodePlanner` (the internal planner always returns the LSE).
+
+    Every rank makes the same calls in the same order: `run` is a collective.
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        group: ProcessGroup | None = None,
+        method: str | None = None,
+        scatter_heads: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        kv_cache_dtype: str = "auto",
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        q_dtype: torch.dtype = torch.bfloat16,
+        max_plans: int = 128,
+        platform: Platform | None = None,
+        policy: SelectionPolicy | None = None,
+    ) -> None:
+        check_flag("scatter_heads", scatter_heads)
+        self.method = check_method(
+            method if method is not None else ("reduce_scatter" if scatter_heads else "all_gather"), scatter_heads
+        )
+        self.local = DecodePlanner(
+            geometry, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, q_dtype=q_dtype,
+            with_lse=True, max_plans=max_plans, platform=platform, policy=policy,
+        )
+        self.info: GroupInfo = group_info(group)
+        w = self.info.world_size
+        if (scatter_heads or self.method == "all_to_all") and geometry.num_q_heads % w:
+            raise MSAInputError(
+                "geometry", f"num_q_heads divisible by the group size {w} (method {self.method!r}, "
+                f"scatter_heads={scatter_heads})", geometry.num_q_heads,
+            )
+        self.geometry = geometry
+        self.scatter_heads = scatter_heads
+        self.reduce_dtype = reduce_dtype
+        self.out_heads = geometry.num_q_heads // w if scatter_heads else geometry.num_q_heads
+        self.plans: PlanCache[PlanKey, DistributedDecodePlan] = PlanCache(max_plans)
+        self._token = object()
+
+    def __repr__(self) -> str:
+        form = "scattered heads" if self.scatter_heads else "all heads"
+        return f"DistributedDecodePlanner({self.method}, {form}, {self.info}, {self.local!r})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def plan(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        decode_query_len: int,
+        seq_lens_cpu: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        num_rows: int | None = None,
+    ) -> DistributedDecodePlan:
+        """The plan for this step's shape (see `msa.DecodePlanner.plan`), with `block_table`
+        this rank's table. Call outside graph capture, every step; the same shape returns the
+        same object, refreshed in place. Not a collective."""
+        local = self.local.plan(
+            block_table, seq_lens, decode_query_len=decode_query_len, seq_lens_cpu=seq_lens_cpu,
+            query_start_loc=query_start_loc, num_rows=num_rows,
+        )
+
+        def create() -> DistributedDecodePlan:
+            g = self.geometry
+            exchange = Exchange(
+                self.info, rows=local.problem.num_rows, heads=g.num_q_heads, head_dim=g.head_dim,
+                dtype=output_dtype(self.local.q_dtype), device=self.local.device, method=self.method,
+                scatter_heads=self.scatter_heads, reduce_dtype=self.reduce_dtype,
+            )
+            return DistributedDecodePlan(local, exchange, self._token)
+
+        plan = self.plans.get_or_create(local.key, create)
+        if plan.local is not local:  # cannot happen while the plan is alive; never run a stale pair
+            plan.local = local
+        return plan
+
+    def run(
+        self,
+        plan: DistributedDecodePlan,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        topk_indices: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        sm_scale: Scale | None = None,
+        q_scale: Scale = 1.0,
+        k_scale: Scale = 1.0,
+        v_scale: Scale = 1.0,
+        validate: bool = False,
+    ) -> None:
+        """Decode this rank's share and merge over the group into `out` (and `lse`).
+
+        A collective. Capturable in a CUDA graph with NCCL: it allocates nothing (the partial
+        and communication buffers belong to the plan), never synchronises with the host and
+        never copies device data to the host (`validate=True` or `MSA_VALIDATE=1` do: they run
+        the checks of `msa.distributed.checks`, collectives included, on every rank). Before
+        capturing, run it once eagerly on every rank (warm-up: Triton compilation, NCCL
+        communicator set-up).
+
+        Args:
+            q: `[B*L, Hq, D]` of the planner's `q_dtype` (global: the same on every rank).
+            kv_cache: this rank's cache, in the planner's layout.
+            topk_indices: int32 `[Hkv, B*L, K]` (global), any strides.
+            out: `[B*L, Hq, D]` (`[B*L, Hq/W, D]` when scattering heads), q's dtype (bf16 for
+                fp8 q), unit last stride.
+            lse: optional fp32 `[B*L, Hq]` (or `Hq/W`) for the merged natural-log LSE.
+            sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
+        """
+        self._check_plan(plan)
+        check_flag("validate", validate)
+        exchange = plan.exchange
+        exchange.check_outputs(out, lse)  # before the local decode: fail on every rank alike
+        if validation_requested(validate):  # msa's own deep checks would reject the table's -1s
+            tables, length = plan.local.tables, plan.local.problem.query_len
+            problem, inputs = check_decode_inputs(
+                q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, decode_query_len=length,
+                kv_cache_dtype=self.local.kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
+                v_scale=v_scale, out=exchange.local_out, lse=exchange.local_lse, query_start_loc=tables.query_start_loc,
+            )
+            if problem.geometry != self.geometry or problem.q_dtype != self.local.q_dtype:
+                raise MSAInputError(
+                    "q / kv_cache / topk_indices", f"the planner's geometry ({self.geometry.describe()}) and q dtype "
+                    f"{self.local.q_dtype}", f"{problem.geometry.describe()}, {problem.q_dtype}",
+                )
+            check_shard(self.info, problem, inputs, decode_query_len=length,
+                        kv_cache_dtype=self.local.kv_cache_dtype)
+            run_checked(problem, inputs, plan.local.backend, exchange.local_out, exchange.local_lse)
+        else:
+            self.local.run(
+                plan.local, q, kv_cache, topk_indices, out=exchange.local_out, lse=exchange.local_lse,
+                sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+            )
+        exchange.merge(out, lse)
+
+    def _check_plan(self, plan: object) -> None:
+        if not isinstance(plan, DistributedDecodePlan):
+            raise MSAInputError(
+                "plan", "a DistributedDecodePlan from DistributedDecodePlanner.plan", type(plan).__name__
+            )
+        if plan.owner is not self._token:
+            raise MSAInputError("plan", "a plan made by this planner", "a plan of another planner")
+        if plan.retired:
+            raise MSAInputError(
+                "plan", "a live plan", "a plan retired by DistributedDecodePlanner.clear()",
+                "Call plan() again and capture new graphs with the plan it returns.",
+            )
+        if plan.local.thread != threading.get_ident():
+            raise MSAInputError(
+                "plan", "a plan refreshed by this thread's last plan() call", "a plan last refreshed by another thread",
+                "A planner serves one thread: create one per thread.",
+            )
+
+    def clear(self) -> None:
+        """Forget every plan and retire those still held (graphs captured with them must be
+        captured again)."""
+        for plan in self.plans.clear():
+            plan.retired = True
+        self.local.clear()
