@@ -29,7 +29,7 @@ for a `-1` before a valid id and does not check ids against the visible length.
 To time them in `msa bench`'s sweep (same signature as its integrations):
 
     from msa.bench.integrations import INTEGRATIONS
-    INTEGRATIONS.update(ENGINE_CALLS)       # then BenchConfig(integrations=("vllm", "sglang"))
+    INTEGRATIONS.update(ENGINE_CALLS)       # then BenchConfig(integrations=("vllm-kernel", "sglang-kernel"))
 """
 
 from __future__ import annotations
@@ -143,6 +143,6 @@ def sglang_call(kw: dict[str, Any], layout: KVLayout) -> Callable[[], torch.Tens
 #: name -> (step kwargs, layout) -> the engine's call on that step, or None where it does not apply
 #: (the form of `msa.bench.integrations.INTEGRATIONS`).
 ENGINE_CALLS: dict[str, Callable[[dict[str, Any], KVLayout], Callable[[], torch.Tensor] | None]] = {
-    "vllm": vllm_call,
-    "sglang": sglang_call,
+    "vllm-kernel": vllm_call,
+    "sglang-kernel": sglang_call,
 }

@@ -45,5 +45,5 @@ def sglang_call(kw: dict[str, Any], layout: KVLayout) -> Callable[[], torch.Tens
 
 #: name -> (step kwargs, layout) -> the drop-in's call on that step, or None where it does not apply.
 INTEGRATIONS: dict[str, Callable[[dict[str, Any], KVLayout], Callable[[], torch.Tensor] | None]] = {
-    "sglang": sglang_call,
+    "sglang-dropin": sglang_call,
 }

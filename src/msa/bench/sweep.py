@@ -202,7 +202,7 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                     err = (call().float() - ref_out.float()).abs().max().item()
                     for mode, micros in times.items():
                         rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length,
-                                         f"{name} drop-in", mode, micros, n_bytes, copy_gbps, err))
+                                         name, mode, micros, n_bytes, copy_gbps, err))
                         rows[-1].update(kv_form=name)
                         _print(rows[-1], log)
                 for base in config.baselines:

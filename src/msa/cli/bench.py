@@ -27,7 +27,7 @@ def add_parser(subparsers: Subparsers) -> None:
     p.add_argument("--kv-forms", type=names, default=("packed",),
                    help="cache forms to time on the same data: packed, separate, sglang (split layouts)")
     p.add_argument("--integrations", type=names, default=(),
-                   help="engine drop-ins to time as well: sglang (comma list)")
+                   help="engine drop-ins to time as well: sglang-dropin (comma list)")
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
     p.add_argument("--backends", type=names, default=("triton",))

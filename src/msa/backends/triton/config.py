@@ -29,6 +29,8 @@ class LaunchConfig:
     num_warps, num_stages: Triton launch parameters.
     compute: dtype of the tensor-core dots for quantized caches ("fp16" or "bf16"; both are
         exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype).
+    decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
+        portable Triton decode (the interpreter always uses it). The values are the same.
     dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
         of the tokens' page lists, reading each page once (`token_chunks` chunks per request,
         `block_m` rows = tokens x GQA group, `entries_pad` list entries).
@@ -47,6 +49,7 @@ class LaunchConfig:
     token_chunks: int = 1
     block_m: int = 16
     entries_pad: int = 0
+    decode_asm: bool = True
 
     @property
     def fused(self) -> bool:
@@ -67,6 +70,7 @@ def choose_config(
     num_warps: int | None = None,
     num_stages: int | None = None,
     compute: str | None = None,
+    decode_asm: bool = True,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -124,6 +128,7 @@ def choose_config(
         token_chunks=token_chunks,
         block_m=block_m,
         entries_pad=_next_pow2(tokens * g.topk) if dedup else 0,
+        decode_asm=decode_asm,
     )
 
 

@@ -30,6 +30,38 @@ from msa.layouts.kernels import nvfp4_scale_offset
 LOG2E = 1.4426950408889634  # host side: folded into qk_scale
 LN2 = tl.constexpr(0.6931471805599453)
 
+# Four NVFP4 code bytes ($4) and their block scales x 64 as two f16x2 ($5: elements 0-1, $6:
+# elements 2-3) -> the four low-nibble (even) elements ($0, $1) and the four high-nibble (odd)
+# ones ($2, $3), f16x2 each. A nibble's magnitude bits go to bits 2-4 of an E4M3 byte and its sign
+# to bit 7 (exactly the E2M1 value times 2^-6); one cvt decodes two bytes, one mul applies the
+# scales to two elements. The same values as the portable path, in a quarter of the instructions.
+_NVFP4_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 rq, rlo, rhi, rt;
+.reg .b16 l0, l1, h0, h1;
+.reg .b32 fl0, fl1, fh0, fh1;
+and.b32 rhi, $4, 0x80808080;
+shr.b32 rt, $4, 2;
+and.b32 rt, rt, 0x1C1C1C1C;
+or.b32 rhi, rhi, rt;
+shl.b32 rq, $4, 4;
+and.b32 rlo, rq, 0x80808080;
+shr.b32 rt, rq, 2;
+and.b32 rt, rt, 0x1C1C1C1C;
+or.b32 rlo, rlo, rt;
+mov.b32 {l0, l1}, rlo;
+mov.b32 {h0, h1}, rhi;
+cvt.rn.f16x2.e4m3x2 fl0, l0;
+cvt.rn.f16x2.e4m3x2 fl1, l1;
+cvt.rn.f16x2.e4m3x2 fh0, h0;
+cvt.rn.f16x2.e4m3x2 fh1, h1;
+mul.rn.f16x2 $0, fl0, $5;
+mul.rn.f16x2 $1, fl1, $6;
+mul.rn.f16x2 $2, fh0, $5;
+mul.rn.f16x2 $3, fh1, $6;
+}
+""")
+
 
 # -- the step around a program ---------------------------------------------------------------
 
@@ -218,13 +250,14 @@ def split_decode_kernel(
 
 @triton.jit
 def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr):
+                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr):
     """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2].
 
     A code's magnitude bits shifted into an E4M3 byte (`m << 2`, sign to bit 7) are exactly the
     E2M1 value times 2^-6 (codes 0 and 1 land on E4M3 zero and subnormal), so the hardware
     fp8 conversion decodes them; the block scale (x 64) is exact in fp16/bf16, and so is the
-    product (at most 6 significant bits, within range)."""
+    product (at most 6 significant bits, within range). `DECODE_ASM` (a GPU with fp16 dots) does
+    the same in packed PTX, two elements per instruction."""
     GROUPS: tl.constexpr = HEAD_DIM // 16
     gi = tl.arange(0, GROUPS)
     bi = tl.arange(0, 8)
@@ -233,10 +266,14 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
     pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
     scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
     scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
-    lo = ((codes << 2) & 0x1C) | ((codes << 4) & 0x80)
-    hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
-    even = lo.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
-    odd = hi.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
+    if DECODE_ASM:
+        even, odd = tl.inline_asm_elementwise(_NVFP4_DECODE_ASM, "=r,=r,=r,=r,r,r,r", [codes, scale],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo = ((codes << 2) & 0x1C) | ((codes << 4) & 0x80)
+        hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
+        even = lo.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
+        odd = hi.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
     return tl.reshape(even, (BLOCK_N, HEAD_DIM // 2)), tl.reshape(odd, (BLOCK_N, HEAD_DIM // 2))
 
 
@@ -252,7 +289,7 @@ def nvfp4_decode_kernel(
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -277,13 +314,13 @@ def nvfp4_decode_kernel(
     for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
         page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, False, COMPUTE)
+                                    BLOCK_N, False, COMPUTE, DECODE_ASM)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
         s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
         s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v_even, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, True, COMPUTE)
+                                    BLOCK_N, True, COMPUTE, DECODE_ASM)
         p = p.to(COMPUTE)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)

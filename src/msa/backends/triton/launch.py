@@ -150,8 +150,11 @@ def _kernel_constants(problem: DecodeProblem, config: LaunchConfig) -> dict[str,
         return dict(TOKENS=config.tokens, TOKEN_CHUNKS=config.token_chunks, BLOCK_M=config.block_m,
                     ENTRIES_PAD=config.entries_pad)
     topk = problem.geometry.topk
-    return dict(BLOCK_G=config.block_g, GROUP_CHUNKS=config.group_chunks,
-                TOPK_PAD=max(2, 1 << max(topk - 1, 0).bit_length()))
+    constants = dict(BLOCK_G=config.block_g, GROUP_CHUNKS=config.group_chunks,
+                     TOPK_PAD=max(2, 1 << max(topk - 1, 0).bit_length()))
+    if problem.layout.block_scaled:  # the packed PTX decode: a GPU whose dots run in fp16
+        constants["DECODE_ASM"] = config.decode_asm and not interpreting() and config.compute == "fp16"
+    return constants
 
 
 def _direct_launch_enabled() -> bool:

@@ -1,0 +1,107 @@
+"""Kernel variants for the memory-bound targets, checked and timed in one run (GPU):
+
+    PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--layouts nvfp4,fp8_e4m3] [--batches 64,256]
+
+For each layout and batch (M3 TP1, 64K contexts, L = 1): the default launch configuration and
+variants of tile size, warps, pipeline stages and (NVFP4) the packed PTX decode, each compared
+with the reference on the same step (max abs error) and timed as L2-flushed CUDA-graph replays;
+the copy bandwidth is measured in the same run. Prints a table, writes tune_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import msa
+from msa.backends.triton import TritonBackend
+from msa.bench.sweep import _case, step_bytes
+from msa.bench.timing import Timer, copy_bandwidth
+from msa.display import format_table
+from msa.planning import StepTables
+from msa.validation import check_decode_inputs
+from msa.workload import make_decode_step
+
+VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "nvfp4": [
+        dict(decode_asm=asm, block_n=bn, num_warps=w, num_stages=st)
+        for asm, bn, w, st in itertools.product((False, True), (64, 128), (4, 8), (2, 3))
+    ],
+    "fp8_e4m3": [
+        dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3, 4))
+    ],
+    "bfloat16": [
+        dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))
+    ],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layouts", default="nvfp4,fp8_e4m3")
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--reps", type=int, default=40)
+    args = parser.parse_args()
+    timer = Timer(reps=args.reps)
+    copy = copy_bandwidth(timer)
+    batches = [int(b) for b in args.batches.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for layout in args.layouts.split(","):
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
+                                device="cuda", seed=0)
+        for batch in batches:
+            kw = _case(step, batch, 1, gen)
+            n_bytes = step_bytes(kw, step)
+            ref = msa.sparse_decode(**kw, backend="reference")
+            problem, inputs = check_decode_inputs(**kw)
+            tables = StepTables.for_inputs(problem, inputs)
+            out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+            variants: list[dict[str, Any]] = [{}, *VARIANTS[layout]]
+            for overrides in variants:
+                backend = TritonBackend(**overrides)
+                try:
+                    plan = backend.plan(problem, tables)
+                    run = functools.partial(backend.run, plan, inputs, out, None)
+                    out.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
+                    err = (out.float() - ref.float()).abs().max().item()
+                    us = timer.graph(run)
+                except Exception as exc:  # a configuration that does not compile (registers, shared memory)
+                    print(f"{layout} B={batch} {overrides}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                c = plan.config
+                row = dict(layout=layout, batch=batch, variant=overrides or "default", us=us,
+                           frac_copy=n_bytes / us / 1e3 / copy, err=err, block_n=c.block_n, warps=c.num_warps,
+                           stages=c.num_stages, splits=c.num_splits, decode_asm=c.decode_asm)
+                rows.append(row)
+                print(f"{layout:9s} B={batch:3d} {str(row['variant']):70s} {us:8.1f} us "
+                      f"{row['frac_copy']:.2f} err {err:.1e}", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tune_kernels.json").write_text(json.dumps(dict(copy_gbps=copy, rows=rows), indent=1, default=str))
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["layout"], r["batch"])
+        if r["err"] < 5e-2 and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    defaults = {(r["layout"], r["batch"]): r for r in rows if r["variant"] == "default"}
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    print(format_table(
+        ["layout", "B", "default us", "x copy", "best us", "x copy", "best variant"],
+        [[k[0], k[1], round(defaults[k]["us"], 1), round(defaults[k]["frac_copy"], 2), round(b["us"], 1),
+          round(b["frac_copy"], 2), str(b["variant"])] for k, b in best.items() if k in defaults],
+    ))
+
+
+if __name__ == "__main__":
+    main()
