@@ -70,7 +70,7 @@ DEVICE = "cuda"
 
 def _sync() -> None:
     if DEVICE == "cuda":
-        _sync()
+        torch.cuda.synchronize()
 
 
 def fuzzed(seeds: int) -> None:

@@ -30,8 +30,8 @@ from msa.workload import make_decode_step
 
 VARIANTS: dict[str, list[dict[str, Any]]] = {
     "nvfp4": [
-        dict(decode_asm=asm, block_n=bn, num_warps=w, num_stages=st)
-        for asm, bn, w, st in itertools.product((False, True), (64, 128), (4, 8), (2, 3))
+        dict(codes_rows=rows, block_n=bn, num_warps=w, num_stages=st)
+        for rows, bn, w, st in itertools.product((False, True), (64, 128), (4,), (2, 3, 4))
     ],
     "fp8_e4m3": [
         dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3, 4))

@@ -24,12 +24,13 @@ BLOCK = 16  # the sparse block (128 for M3; small here for the CPU)
 def _sglang_state(gen: torch.Generator, layout: str, page_size: int = 32, batch: int = 3, device: str = "cpu") -> dict[str, Any]:
     hkv, hq, d, k = 2, 8, 64, 4
     dtype = torch.float8_e4m3fn if layout == "fp8_e4m3" else torch.bfloat16
-    num_pages, max_reqs, max_context = 12, 6, 8 * BLOCK
+    max_reqs, max_context = batch + 3, 8 * BLOCK
+    num_pages = batch * -(-max_context // page_size) + 2
     k_pool = (torch.randn((num_pages * page_size, hkv, d), generator=gen) * 2).to(dtype)
     v_pool = (torch.randn((num_pages * page_size, hkv, d), generator=gen) * 2).to(dtype)
     req_to_token = torch.zeros((max_reqs, max_context), dtype=torch.int32)
     free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is SGLang's dummy page
-    lens = [int(torch.randint(1, max_context // 2, (1,), generator=gen)) for _ in range(batch)]
+    lens = [int(torch.randint(1, max_context, (1,), generator=gen)) for _ in range(batch)]
     slot_ids = torch.randperm(max_reqs, generator=gen)[:batch].int()
     for req, n in zip(slot_ids.tolist(), lens, strict=True):
         pages = [free.pop() for _ in range(-(-n // page_size))]

@@ -31,6 +31,7 @@ class LaunchConfig:
         exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype).
     decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
         portable Triton decode (the interpreter always uses it). The values are the same.
+    codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.
     dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
         of the tokens' page lists, reading each page once (`token_chunks` chunks per request,
         `block_m` rows = tokens x GQA group, `entries_pad` list entries).
@@ -50,6 +51,7 @@ class LaunchConfig:
     block_m: int = 16
     entries_pad: int = 0
     decode_asm: bool = True
+    codes_rows: bool = False
 
     @property
     def fused(self) -> bool:
@@ -71,6 +73,7 @@ def choose_config(
     num_stages: int | None = None,
     compute: str | None = None,
     decode_asm: bool = True,
+    codes_rows: bool = False,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -79,9 +82,9 @@ def choose_config(
     and a small kernel merges the splits. Keyword arguments override the heuristic.
 
     Defaults measured on the H200 (benchmarks/RESULTS.md; tune_triton.py, tune_splits.py,
-    tune_stages.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized caches and 2 for
-    bf16/fp16; in one fused pass, bf16/fp16 and fp8 caches take whole 128-token pages (bf16 and
-    fp16 with 8 warps).
+    tune_stages.py, tune_kernels.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized
+    caches and 2 for bf16/fp16; in one fused pass every layout takes whole 128-token pages (bf16
+    and fp16 with 8 warps).
     """
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
@@ -104,7 +107,7 @@ def choose_config(
         num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
     wide = not quantized and num_splits == 1 and g.head_dim <= 128
     if block_n is None:
-        whole_pages = num_splits == 1 and g.head_dim <= 128 and not layout.block_scaled
+        whole_pages = num_splits == 1 and g.head_dim <= 128
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
@@ -129,6 +132,7 @@ def choose_config(
         block_m=block_m,
         entries_pad=_next_pow2(tokens * g.topk) if dedup else 0,
         decode_asm=decode_asm,
+        codes_rows=codes_rows,
     )
 
 

@@ -250,7 +250,7 @@ def split_decode_kernel(
 
 @triton.jit
 def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr):
+                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr):
     """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2].
 
     A code's magnitude bits shifted into an E4M3 byte (`m << 2`, sign to bit 7) are exactly the
@@ -260,9 +260,14 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
     the same in packed PTX, two elements per instruction."""
     GROUPS: tl.constexpr = HEAD_DIM // 16
     gi = tl.arange(0, GROUPS)
-    bi = tl.arange(0, 8)
-    code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
-    codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
+    if CODES_ROWS:  # each token's D/2 code bytes as one contiguous row (wide loads), then grouped
+        di = tl.arange(0, HEAD_DIM // 2)
+        rows = tl.load(slot + tok[:, None] * (HEAD_DIM // 2) + di[None, :], mask=visible[:, None], other=0)
+        codes = tl.reshape(rows, (BLOCK_N, GROUPS, 8))
+    else:
+        bi = tl.arange(0, 8)
+        code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
+        codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
     pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
     scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
     scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
@@ -290,6 +295,7 @@ def nvfp4_decode_kernel(
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
+    CODES_ROWS: tl.constexpr,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -314,13 +320,13 @@ def nvfp4_decode_kernel(
     for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
         page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, False, COMPUTE, DECODE_ASM)
+                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
         s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
         s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v_even, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, True, COMPUTE, DECODE_ASM)
+                                    BLOCK_N, True, COMPUTE, DECODE_ASM, CODES_ROWS)
         p = p.to(COMPUTE)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)

@@ -154,6 +154,7 @@ def _kernel_constants(problem: DecodeProblem, config: LaunchConfig) -> dict[str,
                      TOPK_PAD=max(2, 1 << max(topk - 1, 0).bit_length()))
     if problem.layout.block_scaled:  # the packed PTX decode: a GPU whose dots run in fp16
         constants["DECODE_ASM"] = config.decode_asm and not interpreting() and config.compute == "fp16"
+        constants["CODES_ROWS"] = config.codes_rows
     return constants
 
 
