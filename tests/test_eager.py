@@ -87,3 +87,20 @@ def test_other_signatures_are_checked_in_full() -> None:
         msa.sparse_decode(**dict(kw, topk_indices=kw["topk_indices"][:1]), backend="reference")
     with pytest.raises(msa.MSAInputError, match=r"^q: expected"):
         msa.sparse_decode(**dict(kw, q=kw["q"].float()), backend="reference")
+
+
+def test_planner_run_remembers_checked_signatures() -> None:
+    kw = _layers(1)[0]
+    planner = msa.DecodePlanner(GEOMETRY, backend="reference", device="cpu")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    args = (plan, kw["q"], kw["kv_cache"], kw["topk_indices"])
+    planner.run(*args, out=out)
+    assert len(plan.runs) == 1
+    again = torch.empty_like(out)
+    planner.run(*args, out=again)  # the remembered signature
+    assert torch.equal(again, out) and torch.equal(out, msa.sparse_decode(**kw, backend="reference"))
+    with pytest.raises(msa.MSAInputError, match=r"^out: expected memory that does not overlap q"):
+        planner.run(plan, out, kw["kv_cache"], kw["topk_indices"], out=out)
+    with pytest.raises(msa.MSAInputError, match=r"^k_scale: expected a finite scale > 0"):
+        planner.run(*args, out=out, k_scale=-1.0)

@@ -12,7 +12,7 @@ import torch
 
 from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
-from msa.layouts import KVCache, KVLayout
+from msa.layouts import KVCache
 from msa.planner import DecodePlanner
 from msa.platform import detect
 from msa.policy import default_policy
@@ -20,11 +20,11 @@ from msa.problem import DecodeProblem
 from msa.registry import get_registry
 from msa.scales import Scale
 from msa.validation import (
+    CheckedCall,
     DecodeInputs,
-    byte_span,
+    call_signature,
     check_decode_data,
     check_decode_inputs,
-    check_disjoint,
     check_flag,
     validation_requested,
 )
@@ -203,19 +203,11 @@ def sparse_decode(
             k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc, signature,
         )
     else:  # checked before, with the same signature: only what depends on pointers is new
-        problem, planner, layout, scales, (out_bytes, q_bytes, lse_bytes) = known
-        if out is not None:
-            check_disjoint("out", out, "q", q, (out_bytes, q_bytes))
-            if lse is not None:
-                check_disjoint("lse", lse, "out", out, (lse_bytes, out_bytes))
-        sm, qs, ks, vs = (
-            value if isinstance(value, torch.Tensor) else checked
-            for value, checked in zip((sm_scale, q_scale, k_scale, v_scale), scales, strict=True)
-        )
-        inputs = DecodeInputs(
-            problem=problem, q=q, kv_cache=kv_cache, topk_indices=topk_indices, block_table=block_table,
-            seq_lens=seq_lens, layout=layout, sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs, out=out, lse=lse,
-            query_start_loc=query_start_loc, signature=signature,
+        checked, planner = known
+        problem = checked.problem
+        inputs = checked.inputs(
+            q, kv_cache, topk_indices, block_table, seq_lens, query_start_loc, (sm_scale, q_scale, k_scale, v_scale),
+            out, lse, signature,
         )
     device = q.device
     g = problem.geometry
@@ -244,9 +236,8 @@ _LOCAL = threading.local()
 _MAX_PLANNERS = 16
 _MAX_CALLS = 256
 
-#: What a checked call remembers: its problem, planner, layout, its float scales as checked, and
-#: the byte spans of out, q and lse (for the overlap checks, which depend on pointers).
-_Known = tuple[DecodeProblem, DecodePlanner, KVLayout, tuple[Scale, Scale, Scale, Scale], tuple[int, int, int]]
+#: What a checked call remembers: what its checks found, and its planner.
+_Known = tuple[CheckedCall, DecodePlanner]
 
 
 def _thread_local() -> Any:
@@ -264,41 +255,21 @@ def _stream_key(device_index: int) -> int:
     return int(torch._C._cuda_getCurrentRawStream(device_index))
 
 
-def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.shape, t.stride(), t.dtype, t.get_device())
-
-
-def _value_signature(value: object) -> object:
-    """A scale or flag as the checks saw it: its type with its value (True is not 1.0)."""
-    if isinstance(value, torch.Tensor):
-        return _tensor_signature(value)
-    return (type(value), value)
-
-
 def _call_signature(
     q: object, kv_cache: object, topk_indices: object, block_table: object, seq_lens: object,
     decode_query_len: object, kv_cache_dtype: object, sm_scale: object, q_scale: object, k_scale: object,
     v_scale: object, out: object, lse: object, return_lse: object, backend: object, validate: object,
     query_start_loc: object,
 ) -> tuple[Any, ...] | None:
-    """Everything the checks of a call depend on, except pointers — or None when the call must be
-    checked in full (deep checks asked for, or arguments that are not what they should be)."""
-    if validate is not False or os.environ.get("MSA_VALIDATE", "") not in ("", "0"):
+    """The call's `call_signature`, with what else picks its planner (backend, environment,
+    stream, registry); None when it must be checked in full."""
+    if validate is not False or not isinstance(q, torch.Tensor):
         return None
-    try:
-        assert isinstance(q, torch.Tensor)
-        cache = tuple(map(_tensor_signature, kv_cache)) if isinstance(kv_cache, tuple) else _tensor_signature(kv_cache)  # type: ignore[arg-type]
-        optional = tuple(None if t is None else _tensor_signature(t) for t in (out, lse, query_start_loc))  # type: ignore[arg-type]
-        scales = tuple(_value_signature(s) for s in (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len))
-        signature = (
-            _tensor_signature(q), cache, _tensor_signature(topk_indices), _tensor_signature(block_table),  # type: ignore[arg-type]
-            _tensor_signature(seq_lens), optional, scales, kv_cache_dtype, backend,  # type: ignore[arg-type]
-            os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(),
-        )
-        hash(signature)
-    except (AssertionError, AttributeError, TypeError, RuntimeError):
-        return None
-    return signature
+    return call_signature(
+        (q, kv_cache, topk_indices, block_table, seq_lens, out, lse, query_start_loc),
+        (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len, kv_cache_dtype, backend,
+         os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry()),
+    )
 
 
 def _checked_call(
@@ -323,9 +294,7 @@ def _checked_call(
         calls = _thread_local().calls
         if len(calls) >= _MAX_CALLS:
             calls.clear()
-        scales = (inputs.sm_scale, inputs.q_scale, inputs.k_scale, inputs.v_scale)
-        spans = tuple(0 if t is None else byte_span(t) for t in (out, q, lse))
-        calls[signature] = (problem, planner, inputs.layout, scales, spans)
+        calls[signature] = (CheckedCall.of(problem, inputs), planner)
         inputs = attrs.evolve(inputs, signature=signature)
     return problem, inputs, planner
 

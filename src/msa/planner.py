@@ -30,7 +30,7 @@ What a planner guarantees (and enforces):
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,6 +47,8 @@ from msa.problem import DecodeProblem, Geometry
 from msa.scales import Scale
 from msa.validation import (
     Q_DTYPES,
+    CheckedCall,
+    call_signature,
     check_decode_data,
     check_decode_inputs,
     check_flag,
@@ -97,6 +99,7 @@ class DecodePlan:
     owner: object = attrs.field(repr=False)
     retired: bool = False
     thread: int = 0
+    runs: dict[Hashable, CheckedCall] = attrs.field(factory=dict, repr=False)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The device buffers whose addresses a captured graph depends on."""
@@ -324,6 +327,21 @@ class DecodePlanner:
         self._check_plan(plan)
         check_flag("validate", validate)
         tables = plan.tables
+        scales = (sm_scale, q_scale, k_scale, v_scale)
+        signature = None if validate else call_signature(
+            (q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, out, lse, tables.query_start_loc),
+            (*scales, plan.key),
+        )
+        known = plan.runs.get(signature) if signature is not None else None
+        if known is not None:  # checked before, with the same signature: only pointers are new
+            inputs = known.inputs(
+                q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, tables.query_start_loc, scales, out,
+                lse, signature,
+            )
+            assert inputs.out is not None
+            with self._exclusive():
+                plan.backend.run(plan.backend_plan, inputs, inputs.out, inputs.lse)
+            return
         problem, inputs = check_decode_inputs(
             q,
             kv_cache,
@@ -355,6 +373,11 @@ class DecodePlanner:
             )
         if validation_requested(validate):
             check_decode_data(problem, inputs)
+        elif signature is not None:
+            if len(plan.runs) >= 32:
+                plan.runs.clear()
+            plan.runs[signature] = CheckedCall.of(problem, inputs)
+            inputs = attrs.evolve(inputs, signature=signature)
         assert inputs.out is not None
         with self._exclusive():
             plan.backend.run(plan.backend_plan, inputs, inputs.out, inputs.lse)

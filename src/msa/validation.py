@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Hashable
+from typing import Any
 
 import attrs
 import torch
@@ -33,6 +34,8 @@ __all__ = [
     "check_flag",
     "check_disjoint",
     "byte_span",
+    "call_signature",
+    "CheckedCall",
 ]
 
 #: dtypes accepted for `q`.
@@ -141,6 +144,83 @@ def check_disjoint(
     a1, b1 = a0 + t_bytes, b0 + other_bytes
     if a0 < b1 and b0 < a1:
         raise MSAInputError(argument, f"memory that does not overlap {other_name}", "an overlapping tensor")
+
+
+def _tensor_signature(t: object) -> object:
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(map(_tensor_signature, t))
+    assert isinstance(t, torch.Tensor)
+    return (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def call_signature(tensors: tuple[object, ...], values: tuple[object, ...]) -> tuple[Any, ...] | None:
+    """Everything the cheap checks of a call depend on apart from pointers — shapes, strides,
+    dtypes and devices of `tensors` (each a tensor, a `(k, v)` pair or None), the type and value
+    of each of `values` (True is not 1.0; a tensor counts by its shape, dtype and device) — so a
+    later call with an equal signature passes the same checks. None when the call must be checked
+    in full: deep checks asked for (`MSA_VALIDATE`), or arguments that are not what they should be.
+    """
+    if os.environ.get("MSA_VALIDATE", "") not in ("", "0"):
+        return None
+    try:
+        signature = (
+            tuple(map(_tensor_signature, tensors)),
+            tuple(_tensor_signature(v) if isinstance(v, torch.Tensor) else (type(v), v) for v in values),
+        )
+        hash(signature)
+    except (AssertionError, AttributeError, TypeError, RuntimeError):
+        return None
+    return signature
+
+
+@attrs.frozen(eq=False)
+class CheckedCall:
+    """What a fully checked call leaves for later calls of the same `call_signature`: its problem,
+    layout, scales as checked, and the byte spans of out, q and lse (the overlap checks depend
+    on pointers and are made again)."""
+
+    problem: DecodeProblem
+    layout: KVLayout
+    scales: tuple[Scale, Scale, Scale, Scale]
+    spans: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, problem: DecodeProblem, inputs: DecodeInputs) -> CheckedCall:
+        spans = tuple(0 if t is None else byte_span(t) for t in (inputs.out, inputs.q, inputs.lse))
+        scales = (inputs.sm_scale, inputs.q_scale, inputs.k_scale, inputs.v_scale)
+        return cls(problem, inputs.layout, scales, (spans[0], spans[1], spans[2]))
+
+    def inputs(
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        topk_indices: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None,
+        scales: tuple[object, object, object, object],
+        out: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        signature: Hashable,
+    ) -> DecodeInputs:
+        """The inputs of a call with this signature: the overlap checks, then the new tensors
+        (tensor scales as given, float scales as checked)."""
+        out_bytes, q_bytes, lse_bytes = self.spans
+        if out is not None:
+            check_disjoint("out", out, "q", q, (out_bytes, q_bytes))
+            if lse is not None:
+                check_disjoint("lse", lse, "out", out, (lse_bytes, out_bytes))
+        sm, qs, ks, vs = (
+            given if isinstance(given, torch.Tensor) else checked
+            for given, checked in zip(scales, self.scales, strict=True)
+        )
+        return DecodeInputs(
+            problem=self.problem, q=q, kv_cache=kv_cache, topk_indices=topk_indices, block_table=block_table,
+            seq_lens=seq_lens, layout=self.layout, sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+            lse=lse, query_start_loc=query_start_loc, signature=signature,
+        )
 
 
 def check_int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:

@@ -51,9 +51,12 @@ def empty_launch_us(reps: int = 2000) -> float:
 
 
 def count_launches(call: Callable[[], object]) -> int:
-    """Kernels one call launches, counted through Triton's launch hook (torch ops not included)."""
+    """Kernels one call launches in steady state (after a first call), counted through Triton's
+    launch hook (torch ops not included)."""
     from triton import knobs
 
+    call()
+    torch.cuda.synchronize()
     count = [0]
     previous = knobs.runtime.launch_enter_hook
     knobs.runtime.launch_enter_hook = lambda *_: count.__setitem__(0, count[0] + 1)
@@ -112,21 +115,35 @@ def _sglang_call(kw: dict[str, Any], layout: Any) -> Callable[[], object]:
     )
 
 
+def wall_us(call: Callable[[], object], reps: int = 200) -> float:
+    """Wall microseconds per call of back-to-back calls, the GPU work included (what an engine
+    calling layer after layer waits: the larger of its host and GPU time)."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
 def eager_rows(
     kw: dict[str, Any], timer: Timer, empty_us: float, extra: dict[str, Callable[[], object]] | None = None,
     log: Any = sys.stderr,
 ) -> list[dict[str, Any]]:
-    """One row per entry point: launches, host us/call, the target, wall us/call."""
+    """One row per entry point: launches, host us/call, the target, wall us/call (back to back),
+    and the GPU time of one call (L2 flushed)."""
     rows = []
     for name, call in {**eager_calls(kw), **(extra or {})}.items():
         launches = count_launches(call)
         host = host_us(call)
-        wall = timer.eager(call)
+        wall = wall_us(call)
+        gpu = timer.eager(call)
         budget = launches * empty_us + EAGER_TARGET_SLACK_US
         rows.append(dict(entry=name, launches=launches, host_us=host, budget_us=budget, wall_us=wall,
-                         within_budget=host <= budget))
-        print(f"    {name:18s} launches {launches}  host {host:7.1f} us (budget {budget:6.1f})  wall {wall:7.1f} us",
-              file=log, flush=True)
+                         gpu_us=gpu, within_budget=host <= budget))
+        print(f"    {name:24s} launches {launches}  host {host:7.1f} us (budget {budget:6.1f})  "
+              f"wall {wall:7.1f} us  gpu {gpu:7.1f} us", file=log, flush=True)
     return rows
 
 
@@ -179,8 +196,8 @@ def eager_table(result: dict[str, Any]) -> str:
     from msa.display import format_table
 
     return format_table(
-        ["layout", "TP", "B", "L", "entry point", "launches", "host us", "budget us", "within", "wall us"],
+        ["layout", "TP", "B", "L", "entry point", "launches", "host us", "budget us", "within", "wall us", "gpu us"],
         [[r["layout"], r["tp"], r["batch"], r["query_len"], r["entry"], r["launches"], round(r["host_us"], 1),
-          round(r["budget_us"], 1), "yes" if r["within_budget"] else "no", round(r["wall_us"], 1)]
-         for r in result["rows"]],
+          round(r["budget_us"], 1), "yes" if r["within_budget"] else "no", round(r["wall_us"], 1),
+          round(r["gpu_us"], 1)] for r in result["rows"]],
     )
