@@ -83,8 +83,7 @@ def choose_config(
 
     Defaults measured on the H200 (benchmarks/RESULTS.md; tune_triton.py, tune_splits.py,
     tune_stages.py, tune_kernels.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized
-    caches and 2 for bf16/fp16; in one fused pass every layout takes whole 128-token pages (bf16
-    and fp16 with 8 warps).
+    caches and 2 for bf16/fp16; in one fused pass every layout takes whole 128-token pages.
     """
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
@@ -105,7 +104,6 @@ def choose_config(
         # programs are longer); else split each row's tiles, aiming at WAVES programs per SM
         full = (1 if quantized else 2) * sm_count
         num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
-    wide = not quantized and num_splits == 1 and g.head_dim <= 128
     if block_n is None:
         whole_pages = num_splits == 1 and g.head_dim <= 128
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
@@ -123,7 +121,8 @@ def choose_config(
         group_chunks=group_chunks,
         num_splits=-(-tiles // per_split),
         tiles_per_split=per_split,
-        num_warps=num_warps if num_warps is not None else (8 if wide or block_m * g.head_dim > 8192 else 4),
+        # 4 warps for whole bf16 pages too (H200, tune_kernels.py: 255 vs 313 us at B=256)
+        num_warps=num_warps if num_warps is not None else (8 if block_m * g.head_dim > 8192 else 4),
         # NVFP4 in one fused pass: 2 stages (H200, tune_kernels.py: 79 vs 89 us at B=64)
         num_stages=num_stages if num_stages is not None else (
             2 if layout.block_scaled and num_splits == 1 else 3 if quantized else 2

@@ -165,35 +165,51 @@ def _direct_launch_enabled() -> bool:
 class _Kernel:
     """One Triton kernel of a plan's call signature: launched through Triton the first time (which
     compiles it), then directly through its compiled launcher while the pointer alignments
-    (Triton specialises on 16-byte alignment) are the same."""
+    (Triton specialises on 16-byte alignment) are the same. Which arguments are tensors is fixed
+    by the call signature, so their positions are found once."""
 
     def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
         self.fn = fn
         self.grid = (grid + (1, 1))[:3]
         self.compiled: dict[tuple[bool, ...], Any] = {}
+        self.names: tuple[str, ...] = tuple(fn.arg_names)
+        self.tensor_positions: tuple[int, ...] | None = None
+        self.stream: Callable[[], int] | None = None
 
     def __call__(self, args: dict[str, Any], direct: bool) -> None:
         if not direct:
             self.fn[self.grid](**args)
             return
-        names = self.fn.arg_names
-        values = [args[n] for n in names]
-        aligned = tuple(v.data_ptr() % 16 == 0 for v in values if isinstance(v, torch.Tensor))
+        values = [args[n] for n in self.names]
+        positions = self.tensor_positions
+        if positions is None:
+            positions = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
+        aligned = tuple(values[i].data_ptr() % 16 == 0 for i in positions)
         compiled = self.compiled.get(aligned)
-        if compiled is None:
+        if compiled is None or self.stream is None:
             compiled = self.fn[self.grid](**args)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
                 self.compiled[aligned] = compiled
+                self.tensor_positions = positions
+                self.stream = _stream_getter()
             return
         from triton import knobs
-        from triton.runtime import driver
 
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        stream = self.stream()
         runtime = knobs.runtime
         g0, g1, g2 = self.grid
         compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(self.grid, stream, *values), runtime.launch_enter_hook,
                      runtime.launch_exit_hook, *values)
+
+
+def _stream_getter() -> Callable[[], int]:
+    """The raw handle of the current stream of the current device, as Triton's launcher wants it."""
+    from triton.runtime import driver
+
+    active = driver.active
+    get_stream, get_device = active.get_current_stream, active.get_current_device
+    return lambda: get_stream(get_device())
 
 
 #: A kernel of a step and the function that turns the decode arguments into its own.
