@@ -59,7 +59,7 @@ MACHINES = [
 #: `msa explain` flags for a step each built-in backend supports (only the machine can refuse).
 FRIENDLY = {
     "cutlass_sm100": ["--kv-dtype", "nvfp4", "--q-dtype", "fp8"],
-    "flashinfer": ["--kv-dtype", "fp8", "--q-dtype", "fp8"],
+    "flashinfer": ["--kv-dtype", "fp8", "--q-dtype", "fp8", "--kv-form", "separate"],
     "triton": ["--kv-dtype", "fp8"],
     "reference": [],
 }

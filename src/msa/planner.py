@@ -43,7 +43,7 @@ from msa.layouts import KVCache, get_layout
 from msa.planning import PlanCache, StepTables
 from msa.platform import Platform, detect, resolve_device
 from msa.policy import SelectionPolicy, default_policy
-from msa.problem import DecodeProblem, Geometry
+from msa.problem import CACHE_FORMS, DecodeProblem, Geometry
 from msa.scales import Scale
 from msa.validation import (
     Q_DTYPES,
@@ -153,6 +153,12 @@ class DecodePlanner:
             list has 67); a released plan you still hold is found again, never replaced.
         platform: the machine to select for (default: `detect(device)`); tests pass pretend ones.
         policy: the selection policy (default: the process-wide one).
+        kv_form: how the caches of the runs are held, one of `msa.problem.CACHE_FORMS`: "packed"
+            (one contiguous tensor), "separate" (a contiguous `(k_cache, v_cache)` pair) or
+            "strided" (views). Some kernel libraries read only some forms; every form runs on
+            the built-in backends.
+        graph_capture: the runs will be captured in CUDA graphs (backends whose `run` cannot be
+            captured are not chosen).
 
     Raises:
         MSAInputError: a bad argument, or a CUDA device on a machine without one.
@@ -170,12 +176,17 @@ class DecodePlanner:
         max_plans: int = 128,
         platform: Platform | None = None,
         policy: SelectionPolicy | None = None,
+        kv_form: str = "packed",
+        graph_capture: bool = False,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise MSAInputError("geometry", "an msa.Geometry", type(geometry).__name__)
         if q_dtype not in Q_DTYPES:
             raise MSAInputError("q_dtype", "bfloat16, float16 or float8_e4m3fn", q_dtype)
         check_flag("with_lse", with_lse)
+        check_flag("graph_capture", graph_capture)
+        if kv_form not in CACHE_FORMS:
+            raise MSAInputError("kv_form", f"one of {', '.join(CACHE_FORMS)}", repr(kv_form))
         if not isinstance(backend, str):
             raise MSAInputError("backend", "'auto' or a backend name (a str)", repr(backend))
         self.geometry = geometry
@@ -185,6 +196,8 @@ class DecodePlanner:
         self.device = resolve_device(device)
         self.q_dtype = q_dtype
         self.with_lse = with_lse
+        self.kv_form = kv_form
+        self.graph_capture = graph_capture
         self.platform = platform if platform is not None else detect(self.device)
         self.policy = policy
         self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
@@ -219,6 +232,8 @@ class DecodePlanner:
                 block_table_stride=stride,
                 ragged=rows is not None,
                 total_rows=rows,
+                kv_form=self.kv_form,
+                graph_capture=self.graph_capture,
             )
             chosen, _ = policy.select(problem, self.platform, self.backend_name)
             if len(self._shapes) > 4 * self.plans.max_plans:

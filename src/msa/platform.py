@@ -6,16 +6,31 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from pathlib import Path
 
 import attrs
 import torch
 
 from msa.errors import MSAInputError
 
-__all__ = ["Platform", "detect", "triton_available", "resolve_device", "OPTIONAL_PACKAGES"]
+__all__ = [
+    "Platform",
+    "detect",
+    "triton_available",
+    "resolve_device",
+    "package_installed",
+    "OPTIONAL_PACKAGES",
+    "PACKAGE_LOCATIONS",
+]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
 OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer")
+
+#: Where each optional package may live, first place first: MSA's CUTLASS kernels (`fmha_sm100`)
+#: ship inside vLLM (>= 0.33) as `vllm.third_party.fmha_sm100`; a standalone `fmha_sm100` counts too.
+PACKAGE_LOCATIONS: dict[str, tuple[str, ...]] = {
+    "fmha_sm100": ("vllm.third_party.fmha_sm100", "fmha_sm100"),
+}
 
 
 @attrs.frozen
@@ -63,10 +78,27 @@ class Platform:
 
 
 def _installed(name: str) -> bool:
+    """Whether module `name` can be imported, found without importing it (for a submodule, its
+    file is looked up inside the top-level package's directories: its parents are not run)."""
+    top, _, rest = name.partition(".")
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    for root in spec.submodule_search_locations or ():
+        path = Path(root, *rest.split("."))
+        if (path / "__init__.py").is_file() or path.with_suffix(".py").is_file():
+            return True
+    return False
+
+
+def package_installed(package: str) -> bool:
+    """Whether the optional `package` is installed in any of its `PACKAGE_LOCATIONS`."""
+    return any(_installed(name) for name in PACKAGE_LOCATIONS.get(package, (package,)))
 
 
 @functools.cache
@@ -81,7 +113,7 @@ def triton_available() -> bool:
 
 @functools.cache
 def _detect(device_type: str, index: int | None) -> Platform:
-    packages = frozenset(p for p in OPTIONAL_PACKAGES if _installed(p))
+    packages = frozenset(p for p in OPTIONAL_PACKAGES if package_installed(p))
     interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
     if device_type == "cuda" and torch.cuda.is_available():
         dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())

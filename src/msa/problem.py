@@ -11,21 +11,22 @@ import torch
 from msa.errors import MSAInputError
 from msa.layouts import KVCache, KVLayout, get_layout
 
-__all__ = ["Geometry", "DecodeProblem", "KV_FORMS", "MINIMAX_M3", "MINIMAX_M3_TP", "cache_form"]
+__all__ = ["Geometry", "DecodeProblem", "CACHE_FORMS", "MINIMAX_M3", "MINIMAX_M3_TP", "cache_form"]
 
-#: How a cache is held (`DecodeProblem.kv_form`): "packed" — one contiguous tensor (the split
-#: layouts' `[pages, Hkv, P, 2D]`, NVFP4 head slots); "pair" — a `(k_cache, v_cache)` pair of
-#: two contiguous `[pages, Hkv, P, D]` tensors; "strided" — a tensor or a pair that is not
-#: contiguous (views into larger buffers). Some kernel libraries read only some forms.
-KV_FORMS = ("packed", "pair", "strided")
+#: How a cache is held in memory (`DecodeProblem.kv_form`): "packed" — one contiguous tensor (the
+#: split layouts' `[pages, Hkv, P, 2D]`, NVFP4 head slots); "separate" — a `(k_cache, v_cache)`
+#: pair of two contiguous `[pages, Hkv, P, D]` tensors; "strided" — a tensor or a pair that is
+#: not contiguous (views into larger buffers, such as SGLang's token pools viewed as pages).
+#: Some kernel libraries read only some forms.
+CACHE_FORMS = ("packed", "separate", "strided")
 
 
 def cache_form(cache: KVCache) -> str:
-    """The form (`KV_FORMS`) of a checked cache."""
+    """The form (`CACHE_FORMS`) of a checked cache."""
     tensors = cache if isinstance(cache, tuple) else (cache,)
     if not all(t.is_contiguous() for t in tensors):
         return "strided"
-    return "pair" if isinstance(cache, tuple) else "packed"
+    return "separate" if isinstance(cache, tuple) else "packed"
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -121,8 +122,8 @@ class DecodeProblem:
         block_table_stride: elements between rows of `block_table` (None: `max_blocks`).
         ragged: query lengths come from `query_start_loc`; `query_len` is then their maximum.
         total_rows: query rows of a ragged step (None: `batch_size * query_len`).
-        kv_form: how the cache is held, one of `KV_FORMS` (a planner that has not seen the
-            cache assumes msa's default, one packed tensor).
+        kv_form: how the cache is held in memory, one of `CACHE_FORMS` (a planner that has not
+            seen the cache assumes msa's default, one packed tensor).
         graph_capture: the caller will capture `run` in a CUDA graph (backends whose `run`
             allocates or reads the host refuse such steps).
     """
@@ -140,7 +141,7 @@ class DecodeProblem:
     block_table_stride: int | None = None
     ragged: bool = False
     total_rows: int | None = None
-    kv_form: str = attrs.field(default="packed", validator=attrs.validators.in_(KV_FORMS))
+    kv_form: str = attrs.field(default="packed", validator=attrs.validators.in_(CACHE_FORMS))
     graph_capture: bool = False
 
     @property

@@ -104,7 +104,9 @@ class Backend(abc.ABC, Generic[PlanT]):
         lse: torch.Tensor | None,
     ) -> None:
         """Compute the step into `out` `[B*L, Hq, D]` (and `lse` `[B*L, Hq]` when given).
-        Capturable: allocates nothing, never synchronises, never copies to the host."""
+        Capturable: allocates nothing, never synchronises, never copies to the host — unless
+        `capabilities.uncapturable` says why not (then it raises `MSAUnsupportedError` inside
+        a capture, and the policy refuses steps declared `graph_capture`)."""
 
     def run_step(
         self, problem: DecodeProblem, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None = None

@@ -31,6 +31,9 @@ class Capabilities:
     Attributes:
         device_types: device kinds it runs on ("cuda", "cpu", ...).
         capability_families: CUDA compute-capability majors (10 = SM100 family).
+        compute_capabilities: the exact CUDA compute capabilities `(major, minor)` it runs on,
+            for libraries qualified per chip rather than per family (FlashInfer: 10.0, 10.3,
+            12.0, 12.1 — not 10.7).
         min_capability: the lowest CUDA compute capability `(major, minor)` (CUDA devices only).
         packages: importable packages it needs.
         kv_layouts: canonical layout names it reads.
@@ -48,6 +51,9 @@ class Capabilities:
         min_batch_exempt_layouts: ... except for these layouts.
         lse: can return the log-sum-exp.
         ragged: takes per-request query lengths (`query_start_loc`).
+        uncapturable: why its `run` cannot be captured in a CUDA graph (it allocates, or reads
+            device values on the host), or None: `run` allocates nothing and never synchronises.
+            Steps whose caller will capture (`DecodeProblem.graph_capture`) are refused.
 
     Every default claims nothing that was not tested: a backend declares LSE and ragged support
     itself.
@@ -55,6 +61,7 @@ class Capabilities:
 
     device_types: frozenset[str] | None = None
     capability_families: frozenset[int] | None = None
+    compute_capabilities: frozenset[tuple[int, int]] | None = None
     min_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()
     kv_layouts: frozenset[str] = frozenset({"bfloat16", "float16", "fp8_e4m3", "nvfp4"})
@@ -73,6 +80,7 @@ class Capabilities:
     min_batch_exempt_layouts: frozenset[str] = frozenset()
     lse: bool = False
     ragged: bool = False
+    uncapturable: str | None = None
 
     def machine_reasons(self, platform: Platform, requested: bool = False) -> list[str]:
         """Why a backend with these capabilities cannot run on `platform` at all."""
@@ -103,6 +111,21 @@ def capability_rule(c: Capabilities, pf: Platform, requested: bool) -> str | Non
         return f"needs a CUDA device of compute capability {families}"
     if pf.capability[0] not in c.capability_families:
         return f"needs compute capability {families}, this device is {pf.capability[0]}.{pf.capability[1]}"
+    return None
+
+
+def _capability_names(capabilities: frozenset[tuple[int, int]]) -> str:
+    return ", ".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
+
+
+def compute_capability_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
+    if c.compute_capabilities is None:
+        return None
+    names = _capability_names(c.compute_capabilities)
+    if pf.capability is None:
+        return f"needs a CUDA device of compute capability {names}"
+    if pf.capability not in c.compute_capabilities:
+        return f"needs compute capability {names}, this device is {pf.capability[0]}.{pf.capability[1]}"
     return None
 
 
@@ -199,6 +222,12 @@ def batch_floor_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str 
     return None
 
 
+def capture_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
+    if p.graph_capture and c.uncapturable is not None:
+        return f"cannot run inside CUDA-graph capture: {c.uncapturable}"
+    return None
+
+
 def lse_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | None:
     if p.return_lse and not c.lse:
         return "does not return the log-sum-exp"
@@ -212,7 +241,13 @@ def ragged_rule(c: Capabilities, p: DecodeProblem, requested: bool) -> str | Non
 
 
 #: Rules that depend on the machine alone (what `msa backends` shows).
-MACHINE_RULES: tuple[MachineRule, ...] = (device_rule, capability_rule, min_capability_rule, package_rule)
+MACHINE_RULES: tuple[MachineRule, ...] = (
+    device_rule,
+    capability_rule,
+    compute_capability_rule,
+    min_capability_rule,
+    package_rule,
+)
 #: Rules that depend on the step alone.
 STEP_RULES: tuple[StepRule, ...] = (
     layout_rule,
@@ -226,4 +261,5 @@ STEP_RULES: tuple[StepRule, ...] = (
     batch_floor_rule,
     lse_rule,
     ragged_rule,
+    capture_rule,
 )

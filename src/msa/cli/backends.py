@@ -17,7 +17,7 @@ from msa.display import format_table
 from msa.layouts import LAYOUT_NAMES, get_layout
 from msa.platform import OPTIONAL_PACKAGES, Platform, detect
 from msa.policy import SelectionPolicy, Verdict
-from msa.problem import MINIMAX_M3, DecodeProblem, Geometry
+from msa.problem import CACHE_FORMS, MINIMAX_M3, DecodeProblem, Geometry
 from msa.registry import BackendRegistry, get_registry
 from msa.validation import output_dtype
 
@@ -72,6 +72,14 @@ def add_parsers(subparsers: Subparsers) -> None:
     explain.add_argument("--batch", type=positive_int, default=64)
     explain.add_argument("--query-len", type=positive_int, default=1)
     explain.add_argument("--lse", action="store_true", help="the caller wants the LSE")
+    explain.add_argument(
+        "--kv-form", choices=CACHE_FORMS, default="packed",
+        help="how the cache is held: one packed tensor, a (k_cache, v_cache) pair of contiguous "
+        "tensors, or strided views",
+    )
+    explain.add_argument(
+        "--graph-capture", action="store_true", help="the caller will capture the step in a CUDA graph"
+    )
     explain.add_argument("--backend", default="auto", help="a backend name to request")
     _add_platform_arguments(explain)
     explain.set_defaults(func=run_explain)
@@ -154,11 +162,14 @@ def run_explain(args: argparse.Namespace) -> int:
         num_pages=1 << 20,
         max_blocks=1 << 10,
         return_lse=args.lse,
+        kv_form=args.kv_form,
+        graph_capture=args.graph_capture,
     )
     selection = SelectionPolicy().evaluate(problem, platform, args.backend)
     print(
         f"step: {geometry.describe()}, {problem.kv_layout} cache, q {args.q_dtype}, "
-        f"B={args.batch}, L={args.query_len}{', LSE' if args.lse else ''}"
+        f"B={args.batch}, L={args.query_len}{', LSE' if args.lse else ''}, K/V {args.kv_form}"
+        f"{', graph capture' if args.graph_capture else ''}"
     )
     print(f"platform: {platform.describe()}")
     print(selection.explain())

@@ -3,8 +3,8 @@ refreshed in place, the step's tables, and a bounded cache of plans keyed by ste
 (docs/semantics.md §5)."""
 
 from msa.planning.cache import PlanCache
-from msa.planning.indices import compact_topk, resolve_entries
+from msa.planning.indices import resolve_entries
 from msa.planning.refresh import RowMetadata
 from msa.planning.tables import StepTables
 
-__all__ = ["PlanCache", "RowMetadata", "StepTables", "compact_topk", "resolve_entries"]
+__all__ = ["PlanCache", "RowMetadata", "StepTables", "resolve_entries"]

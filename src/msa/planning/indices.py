@@ -1,5 +1,6 @@
-"""The index lists of docs/semantics.md §3 resolved: which entries a row attends, and a compact, sorted form
-for kernel libraries that want ascending ids with `-1` padding at the tail."""
+"""The index lists of docs/semantics.md §3 resolved: which entries a row attends (the reference
+reads them; `backends.external.TopkCompactor` writes the same rule allocation-free for kernel
+libraries, and is tested against this)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import torch
 from msa.semantics import row_positions
 from msa.validation import DecodeInputs
 
-__all__ = ["resolve_entries", "compact_topk"]
-
-_LAST = torch.iinfo(torch.int32).max
+__all__ = ["resolve_entries"]
 
 
 def resolve_entries(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,20 +37,3 @@ def resolve_entries(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor, t
     page = torch.zeros_like(block) if block_table.shape[0] == 0 else block_table.long()[request.view(1, -1, 1), block]
     used &= (page >= 0) & (page < problem.num_pages)
     return used, block, torch.where(used, page, 0), visible
-
-
-def compact_topk(inputs: DecodeInputs, out: torch.Tensor) -> torch.Tensor:
-    """Write the used entries of each list in ascending order, `-1`-padded at the tail, into `out`.
-
-    Every entry docs/semantics.md §3 skips becomes `-1`, so a kernel that trusts "ascending ids,
-    padding at the end, every id readable" computes exactly the result docs/semantics.md §3
-    defines.
-
-    Args:
-        out: int32 `[Hkv, R, K]` (head-major) or a transposed view of a token-major buffer.
-    """
-    used, block, _, _ = resolve_entries(inputs)
-    keyed = torch.where(used, block, _LAST)
-    ordered = keyed.sort(dim=-1).values
-    out.copy_(torch.where(ordered == _LAST, -1, ordered))
-    return out
