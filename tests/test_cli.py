@@ -28,6 +28,33 @@ def test_demo_single_layout_without_oracle(capsys: pytest.CaptureFixture[str]) -
     assert out.splitlines()[3].split()[-2:] == ["-", "-"], "oracle columns left empty"
 
 
+def test_demo_says_when_it_could_not_cross_check(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the demo's reference is checked against the Triton interpreter; where Triton
+    cannot run it says so (and still checks the reference against the dense oracle)."""
+    import os
+
+    import msa.cli.demo as demo
+    from msa.errors import MSAUnsupportedError
+
+    args = ["demo", "--layout", "bfloat16", "--batch", "1", "--context", "300", "--seed", "1"]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert main(args) == 0
+        assert "triton (interpreter" in capsys.readouterr().out
+
+    real = demo.select_backend
+
+    def no_triton(problem: object, name: str = "auto") -> object:
+        if name == "triton":
+            raise MSAUnsupportedError("backend 'triton' cannot run this step: pretend")
+        return real(problem, name)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(demo, "select_backend", no_triton)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing (Triton cannot run here)" in out and "OK: outputs within" in out
+
+
 def test_layouts_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["layouts"]) == 0
     out = capsys.readouterr().out
