@@ -92,15 +92,25 @@ def _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS: tl.constexpr,
 @triton.jit
 def _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages, stride_th, stride_tr, stride_tk, stride_bt,
              TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
-    """The row's index list resolved once: (entry ids, block ids, pages, used), each [TOPK_PAD].
-    Skipped entries get used = 0 and page 0; their tiles are never loaded."""
+    """The row's index list resolved once and compacted: (rank, block ids, pages, count), the
+    first three [TOPK_PAD]. The used entries are numbered 0..count-1 in list order (`rank`);
+    skipped entries get rank -1, so the walk visits used entries only and a program whose row
+    uses few pages (short contexts, `-1` padding, a context-parallel rank's share) does
+    proportionally less work."""
     e = tl.arange(0, TOPK_PAD)
     j = tl.load(topk_ptr + h * stride_th + r * stride_tr + e * stride_tk, mask=e < TOPK, other=-1)
     used = (j >= 0) & (j < limit)
     j = tl.where(used, j, 0)
     page = tl.load(table_ptr + b * stride_bt + j, mask=used, other=-1)
-    used = used & (page >= 0) & (page < num_pages)
-    return e, j, tl.where(used, page, 0), used.to(tl.int32)
+    used = (used & (page >= 0) & (page < num_pages)).to(tl.int32)
+    rank = tl.where(used > 0, tl.cumsum(used, axis=0) - 1, -1)
+    return rank, j, tl.where(used > 0, page, 0), tl.sum(used, axis=0)
+
+
+@triton.jit
+def _steps(split, count, TILES_PER_SPLIT: tl.constexpr, CHUNKS: tl.constexpr):
+    """Tiles split `split` walks when the row uses `count` entries (splits past them walk none)."""
+    return tl.minimum(tl.maximum(count * CHUNKS - split * TILES_PER_SPLIT, 0), TILES_PER_SPLIT)
 
 
 @triton.jit
@@ -110,15 +120,15 @@ def _pick(values, e, t):
 
 
 @triton.jit
-def _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT: tl.constexpr, CHUNKS: tl.constexpr,
+def _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT: tl.constexpr, CHUNKS: tl.constexpr,
           BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """Step `step` of a split's walk: (page, token offsets in it [BLOCK_N], visible [BLOCK_N]).
-    A skipped entry's tile has no visible token (so nothing of it is loaded)."""
+    """Step `step` of a split's walk over the used entries (`_steps` bounds it): (page, token
+    offsets in it [BLOCK_N], visible [BLOCK_N])."""
     tile = split * TILES_PER_SPLIT + step
     t = tile // CHUNKS
-    page = _pick(pages, e, t).to(tl.int64)
+    page = _pick(pages, rank, t).to(tl.int64)
     tok = (tile % CHUNKS) * BLOCK_N + offs
-    visible = tok < tl.where(_pick(used, e, t) > 0, n - _pick(ids, e, t).to(tl.int64) * PAGE, 0)
+    visible = tok < n - _pick(ids, rank, t).to(tl.int64) * PAGE
     return page, tok, visible
 
 
@@ -227,15 +237,15 @@ def split_decode_kernel(
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     q = q.to(COMPUTE)
 
-    e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
-                                   stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
+    rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
+                                       stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
-        page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
+    for step in tl.range(0, _steps(split, count, TILES_PER_SPLIT, CHUNKS), num_stages=NUM_STAGES):
+        page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
         k = tl.load(k_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
@@ -309,16 +319,16 @@ def nvfp4_decode_kernel(
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
 
-    e, ids, pages, used = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
-                                   stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
+    rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
+                                       stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     acc_odd = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for step in tl.range(TILES_PER_SPLIT, num_stages=NUM_STAGES):
-        page, tok, visible = _tile(split, step, e, ids, pages, used, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
+    for step in tl.range(0, _steps(split, count, TILES_PER_SPLIT, CHUNKS), num_stages=NUM_STAGES):
+        page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
                                     BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
         s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
