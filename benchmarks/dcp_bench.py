@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 import msa
 import msa.distributed as dcp
+from msa.bench.timing import capture_graph
 from msa.layouts import get_layout
 from msa.workload import DEFAULT_SCALES, indexer_topk, make_decode_step
 
@@ -111,17 +112,7 @@ class SyncedTimer:
         self._token = torch.zeros(1, device=device)
 
     def graph(self, fn: Callable[[], object]) -> float:
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        graph = capture_graph(fn, self.warmup)
         start = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]  # type: ignore[no-untyped-call]
         end = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]  # type: ignore[no-untyped-call]
         for i in range(self.reps):

@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from plugin_site import install_plugins
 
 import msa
 from msa.cli import main
@@ -141,13 +142,8 @@ _ALIVE: list[object] = []
 
 
 def install(site: Path, names: tuple[str, ...]) -> None:
-    """Write each plugin module and a `<name>-1.0.dist-info` with its entry point."""
-    for name in names:
-        (site / f"{name}.py").write_text(PLUGINS[name])
-        info = site / f"{name}-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[msa.backends]\n{name} = {name}\n")
+    """Install the plugins `names` of this file into `site`."""
+    install_plugins(site, names, PLUGINS)
 
 
 @pytest.fixture

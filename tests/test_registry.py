@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_site import install_plugins
 
 import msa
 from msa.errors import MSAInputError, MSAPluginError
@@ -69,13 +70,8 @@ PLUGINS = {
 
 
 def install(tmp_path: Path, names: tuple[str, ...]) -> None:
-    """Write each plugin module and a `<name>-1.0.dist-info` with its entry point."""
-    for name in names:
-        (tmp_path / f"{name}.py").write_text(PLUGINS[name])
-        info = tmp_path / f"{name}-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[msa.backends]\n{name} = {name}\n")
+    """Install the plugins `names` of this file into `tmp_path`."""
+    install_plugins(tmp_path, names, PLUGINS)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
 from msa.layouts import KVCache
 from msa.planner import DecodePlanner
-from msa.platform import detect
+from msa.platform import detect, stream_capturing
 from msa.policy import default_policy
 from msa.problem import DecodeProblem
 from msa.registry import get_registry
@@ -255,12 +255,6 @@ def _stream_key(device_index: int) -> int:
     return int(torch._C._cuda_getCurrentRawStream(device_index))
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` is capturing a CUDA graph (then only backends
-    whose `run` can be captured are chosen)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _call_signature(
     q: object, kv_cache: object, topk_indices: object, block_table: object, seq_lens: object,
     decode_query_len: object, kv_cache_dtype: object, sm_scale: object, q_scale: object, k_scale: object,
@@ -274,7 +268,7 @@ def _call_signature(
     return call_signature(
         (q, kv_cache, topk_indices, block_table, seq_lens, out, lse, query_start_loc),
         (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len, kv_cache_dtype, backend,
-         os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(), _capturing(q.device)),
+         os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(), stream_capturing(q.device)),
     )
 
 
@@ -310,7 +304,7 @@ def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device:
     dropped)."""
     planners: OrderedDict[tuple[Any, ...], DecodePlanner] = _thread_local().planners
     registry = get_registry()
-    capturing = _capturing(device)
+    capturing = stream_capturing(device)  # only capturable backends are chosen then
     key = (
         problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(q_index(device)),
         problem.q_dtype, problem.return_lse, registry, problem.kv_form, capturing,

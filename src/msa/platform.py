@@ -19,6 +19,7 @@ __all__ = [
     "triton_available",
     "resolve_device",
     "package_installed",
+    "stream_capturing",
     "OPTIONAL_PACKAGES",
     "PACKAGE_LOCATIONS",
 ]
@@ -130,6 +131,11 @@ def detect(device: torch.device | str | None = None) -> Platform:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     return _detect(dev.type, dev.index)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream of `device` is capturing a graph (False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

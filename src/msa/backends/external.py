@@ -17,6 +17,7 @@ import torch
 
 from msa.errors import MSAUnsupportedError
 from msa.planning import RowMetadata
+from msa.platform import stream_capturing
 from msa.problem import DecodeProblem
 from msa.scales import Scale
 from msa.validation import DecodeInputs
@@ -59,11 +60,6 @@ def library_version(*distributions: str) -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return ""
-
-
-def stream_capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream of `device` is capturing a graph (False off CUDA)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def host_scalar(backend: str, name: str, value: Scale, device: torch.device, why: str) -> float:

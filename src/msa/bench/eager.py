@@ -16,9 +16,9 @@ import torch
 import triton
 
 from msa.api import sparse_decode
+from msa.bench.integrations import sglang_call
 from msa.bench.kernels import empty_kernel
 from msa.bench.timing import Timer
-from msa.integrations.sglang import flash_decode_with_gqa_share_sparse
 from msa.integrations.vllm import minimax_m3_sparse_attn_decode
 from msa.planner import DecodePlanner
 from msa.validation import check_decode_inputs
@@ -95,24 +95,10 @@ def eager_calls(kw: dict[str, Any]) -> dict[str, Callable[[], object]]:
             q, kw["kv_cache"], kw["topk_indices"], kw["block_table"], kw["seq_lens"], g.num_kv_heads,
             g.head_dim**-0.5, out, kw["decode_query_len"], k_scale=k, v_scale=v,
         )
-        if kw["decode_query_len"] == 1:
-            calls["sglang drop-in"] = _sglang_call(kw, problem.layout)
+        sglang = sglang_call(kw, problem.layout)  # one query token per row only
+        if sglang is not None:
+            calls["sglang drop-in"] = sglang
     return calls
-
-
-def _sglang_call(kw: dict[str, Any], layout: Any) -> Callable[[], object]:
-    keys, values = layout.kv_views(kw["kv_cache"])
-    pages, heads, p, d = keys.shape
-    pools = [t.transpose(1, 2).reshape(pages * p, heads, d) for t in (keys, values)]
-    table = kw["block_table"]
-    position = torch.arange(table.shape[1] * p, device=table.device)
-    req_to_token = (table.long()[:, position // p] * p + position % p).int()
-    slot_ids = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
-    k_scale, v_scale = float(kw["k_scale"]), float(kw["v_scale"])
-    return lambda: flash_decode_with_gqa_share_sparse(
-        kw["q"], None, pools[0], pools[1], req_to_token, kw["seq_lens"], slot_ids, p, kw["topk_indices"],
-        page_size=p, k_scale=k_scale, v_scale=v_scale,
-    )
 
 
 def wall_us(call: Callable[[], object], reps: int = 200) -> float:

@@ -12,7 +12,7 @@ from msa.integrations.sglang import flash_decode_with_gqa_share_sparse
 from msa.layouts import KVLayout
 from msa.scales import Scale
 
-__all__ = ["INTEGRATIONS"]
+__all__ = ["INTEGRATIONS", "sglang_call"]
 
 
 def _float(value: Scale) -> float:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Timer", "copy_bandwidth"]
+__all__ = ["Timer", "capture_graph", "copy_bandwidth"]
 
 _FLUSH_BYTES = 512 * 2**20  # far larger than the H200's ~50-60 MB L2
 
@@ -50,18 +50,24 @@ class Timer:
 
     def graph(self, fn: Callable[[], object]) -> float:
         """Median microseconds of a CUDA-graph replay of `fn()` (captured once)."""
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        return self._measure(capture_graph(fn, self.warmup).replay)
+
+
+def capture_graph(fn: Callable[[], object], warmup: int) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after `warmup` calls on a side stream (compilation and
+    allocator warm-up happen outside the capture)."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
             fn()
-        torch.cuda.synchronize()
-        return self._measure(graph.replay)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 def copy_bandwidth(timer: Timer, n_bytes: int = 2**30) -> float:
