@@ -48,7 +48,7 @@ def _dedup_cases() -> list[Any]:
     """Every layout x L x overlap; L = 32 (four token chunks per request, ~20 s each under the
     interpreter) runs once in the default suite and in full with `-m slow` (`make test-slow`)."""
     cases = []
-    for layout in ("bfloat16", "float16", "fp8_e4m3"):
+    for layout in ("bfloat16", "float16", "fp8_e4m3", "nvfp4"):
         for length in (2, 4, 8, 32):
             for overlap in (0.0, 0.5, 1.0):
                 slow = length == 32 and (layout, overlap) != ("bfloat16", 0.5)
@@ -135,7 +135,7 @@ def test_policy_picks_dedup_from_shapes_only() -> None:
     assert not choose_config(m3, 64 * 8, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=8).dedup
     assert not choose_config(m3, 64 * 2, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=2).dedup
     assert not choose_config(m3, 64, 132, layout=get_layout("fp8_e4m3"), batch_size=64, query_len=1).dedup
-    assert not choose_config(m3, 64 * 4, 132, layout=get_layout("nvfp4"), batch_size=64, query_len=4).dedup
+    assert choose_config(m3, 64 * 4, 132, layout=get_layout("nvfp4"), batch_size=64, query_len=4).dedup
     wide = choose_config(m3, 2 * 32, 132, layout=get_layout("bfloat16"), batch_size=2, query_len=32, dedup=True)
     assert wide.dedup and wide.tokens == 8 and wide.token_chunks == 4 and wide.block_m == 128
 
@@ -152,7 +152,7 @@ def test_dedup_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("length", [2, 4, 8])
 def test_dedup_full_m3_shapes_on_gpu(layout: str, length: int) -> None:
     step = make_decode_step(msa.MINIMAX_M3, batch_size=16, decode_query_len=length, context_len=128 * 40,

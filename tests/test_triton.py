@@ -79,6 +79,22 @@ def test_triton_fp8_queries_and_big_groups(layout: str, gen: torch.Generator) ->
     assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("splits, block_n", [(1, 32), (3, 16)])
+def test_triton_nvfp4_kernel_forms(swap_ab: bool, splits: int, block_n: int, gen: torch.Generator) -> None:
+    """Both NVFP4 walks (query heads or tokens as the dots' rows), fused and split, with partial
+    last pages, -1 entries and a group smaller than the tile (masked query heads)."""
+    built = build(Case(layout="nvfp4", batch=3, query_len=2, num_q_heads=12, num_kv_heads=2, page_size=32, topk=4,
+                       max_blocks=6, tensor_scales=True), gen)
+    kw = built.kwargs
+    ids = kw["topk_indices"].clone()
+    ids[0, 1, :2] = -1
+    kw["topk_indices"] = ids
+    kw["seq_lens"] = torch.tensor([37, 1, 150], dtype=torch.int32)
+    out, lse = run_triton(kw, TritonBackend(num_splits=splits, block_n=block_n, swap_ab=swap_ab))
+    assert_matches_reference(kw, out, lse, rtol=2**-7)
+
+
 def test_triton_group_chunks(gen: torch.Generator) -> None:
     """A group of 128 query heads per KV head: two programs per (row, head)."""
     built = build(Case(num_q_heads=128, num_kv_heads=1, topk=2, max_blocks=3, batch=2), gen)
@@ -149,8 +165,11 @@ def test_triton_full_m3_shapes_on_gpu(tp: int, layout: str, length: int) -> None
     step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=24, decode_query_len=length,
                             context_len=128 * 40, kv_cache_dtype=layout, device="cuda")
     kw = step.kwargs()
-    for splits in (None, 1):
-        backend = TritonBackend() if splits is None else TritonBackend(num_splits=1)
+    backends = [TritonBackend(), TritonBackend(num_splits=1)]
+    if layout == "nvfp4":  # both walks, whatever the default
+        backends += [TritonBackend(swap_ab=True), TritonBackend(swap_ab=True, num_splits=1),
+                     TritonBackend(swap_ab=False, num_splits=1)]
+    for backend in backends:
         out, lse = run_triton(kw, backend, device="cuda")
         ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
         assert not torch.isnan(out).any()

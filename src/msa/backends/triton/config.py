@@ -32,6 +32,10 @@ class LaunchConfig:
     decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
         portable Triton decode (the interpreter always uses it). The values are the same.
     codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.
+    swap_ab: NVFP4 dots take the tokens as rows (scores^T = K q^T, acc^T += V^T P^T), the form
+        Hopper's wgmma accepts (M >= 64); off (the default): the query heads are the rows
+        (mma.sync), which on the H200 needs 168 registers instead of 246 and runs faster
+        (tune_kernels.py: 66.8 vs 72.9 us at B=64, 209.0 vs 258.0 us at B=256).
     dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
         of the tokens' page lists, reading each page once (`token_chunks` chunks per request,
         `block_m` rows = tokens x GQA group, `entries_pad` list entries).
@@ -52,6 +56,7 @@ class LaunchConfig:
     entries_pad: int = 0
     decode_asm: bool = True
     codes_rows: bool = True
+    swap_ab: bool = False
 
     @property
     def fused(self) -> bool:
@@ -74,6 +79,7 @@ def choose_config(
     compute: str | None = None,
     decode_asm: bool = True,
     codes_rows: bool = True,
+    swap_ab: bool = False,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -135,13 +141,14 @@ def choose_config(
         entries_pad=_next_pow2(tokens * g.topk) if dedup else 0,
         decode_asm=decode_asm,
         codes_rows=codes_rows,
+        swap_ab=swap_ab,
     )
 
 
 def dedup_supported(geometry: Geometry, layout: KVLayout, query_len: int) -> bool:
-    """The dedup kernel serves layouts of plain elements (bf16, fp16, fp8) whose GQA group leaves
-    room for two or more query tokens in a 128-row tile."""
-    return not layout.block_scaled and query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
+    """The dedup kernel serves every layout (bf16, fp16, fp8, NVFP4) whose GQA group leaves room
+    for two or more query tokens in a 128-row tile."""
+    return query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
 
 
 def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int) -> bool:
@@ -150,9 +157,9 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
 
     Measured on the H200 (M3 TP1, 64K contexts; benchmarks/RESULTS.md, speed-up over
     per-token): at L = 4 and ~80% page overlap 1.29x (B=64) and 1.43x (B=128) for fp8, 1.18x and
-    1.07x for bf16, but 0.62x / 0.82x at B=16 (too few programs); at L = 2 0.79x..1.09x; at L = 8
-    0.26x..1.18x. Without overlap at L = 4 it is 0.75x (fp8) / 0.83x (bf16) at B=64: the price of
-    choosing it without seeing the indices."""
+    1.07x for bf16, 1.21x and 1.27x for NVFP4, but 0.62x / 0.82x at B=16 (too few programs); at
+    L = 2 0.79x..1.09x; at L = 8 0.26x..1.18x. Without overlap at L = 4 it is 0.75x (fp8) / 0.83x
+    (bf16) / 0.73x (NVFP4) at B=64: the price of choosing it without seeing the indices."""
     return (
         dedup_supported(geometry, layout, query_len)
         and 3 <= query_len <= 4

@@ -150,13 +150,14 @@ def _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_p
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Online-softmax update for scores s [G, N] (base 2); returns (p, alpha, m_new, l_new)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _softmax_step(s, m_i, l_i, HEADS_AXIS: tl.constexpr = 0):
+    """Online-softmax update for scores s (base 2): [G, N], or [N, G] with `HEADS_AXIS` 1;
+    returns (p, alpha, m_new, l_new), the statistics [G]."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1 - HEADS_AXIS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(s - tl.expand_dims(m_safe, 1 - HEADS_AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1 - HEADS_AXIS)
 
 
 # -- what a program writes -------------------------------------------------------------------
@@ -210,6 +211,17 @@ def _store_result(acc, cols, m_i, l_i, r, qh, mask, split, v_scale, out_ptr, lse
         rows = _partial_rows(r, qh, split, NUM_Q_HEADS, NUM_SPLITS)
         _store_partial(acc, cols, rows, mask, part_o_ptr, HEAD_DIM)
         _store_stats(m_i, l_i, rows, mask, part_ml_ptr)
+
+
+@triton.jit
+def _store_odd(acc_odd, dh, l_i, v_scale, r, qh, mask, split, out_ptr, part_o_ptr, stride_or, stride_oh,
+               NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """An NVFP4 program's odd output columns (`_store_result` wrote the even ones and the stats)."""
+    if NUM_SPLITS == 1:
+        _store_out(acc_odd, 2 * dh + 1, l_i, v_scale, r, qh, mask, out_ptr, stride_or, stride_oh)
+    else:
+        rows = _partial_rows(r, qh, split, NUM_Q_HEADS, NUM_SPLITS)
+        _store_partial(acc_odd, 2 * dh + 1, rows, mask, part_o_ptr, HEAD_DIM)
 
 
 # -- the decode kernels ----------------------------------------------------------------------
@@ -279,7 +291,14 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
         code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
         codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
     pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
-    scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
+    if INTERLEAVED:
+        # value scales run along tokens in quads: a token mask would split every 4-byte quad into
+        # single bytes (no async copy, no pipelining), so the quads are loaded whole (inside the
+        # page: in bounds) and the scales of tokens past the row's length are zeroed instead
+        scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos)
+        scale_bytes = tl.where(visible[:, None], scale_bytes, 0)
+    else:
+        scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
     scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
     if DECODE_ASM:
         even, odd = tl.inline_asm_elementwise(_NVFP4_DECODE_ASM, "=r,=r,=r,=r,r,r,r", [codes, scale],
@@ -305,7 +324,7 @@ def nvfp4_decode_kernel(
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
-    CODES_ROWS: tl.constexpr,
+    CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -313,41 +332,83 @@ def nvfp4_decode_kernel(
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
                                                      PAGE, BLOCK_G, GROUP_CHUNKS)
     dh = tl.arange(0, HEAD_DIM // 2)
-    q_row = q_ptr + r * stride_qr + qh[:, None] * stride_qh
-    q_even = tl.load(q_row + 2 * dh[None, :], mask=g_mask[:, None], other=0.0).to(COMPUTE)
-    q_odd = tl.load(q_row + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0).to(COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
                                        stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    acc_odd = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    CHUNKS: tl.constexpr = PAGE // BLOCK_N
-    offs = tl.arange(0, BLOCK_N)
-    for step in tl.range(0, _steps(split, count, TILES_PER_SPLIT, CHUNKS), num_stages=NUM_STAGES):
-        page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
-        k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
-        s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
-        s += tl.dot(q_odd, tl.trans(k_odd), input_precision=PRECISION)
-        s = tl.where(visible[None, :], s * qk, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_even, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, True, COMPUTE, DECODE_ASM, CODES_ROWS)
-        p = p.to(COMPUTE)
-        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PRECISION)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
+    steps = _steps(split, count, TILES_PER_SPLIT, PAGE // BLOCK_N)
+    acc_even, acc_odd, m_i, l_i = _nvfp4_walk(
+        q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, ids, pages, qk, v_offset,
+        stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, HEAD_DIM, PAGE, BLOCK_N, BLOCK_G,
+        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB)
     _store_result(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
     # the odd columns: the statistics were written with the even ones
-    if NUM_SPLITS == 1:
-        _store_out(acc_odd, 2 * dh + 1, l_i, vs, r, qh, g_mask, out_ptr, stride_or, stride_oh)
-    else:
-        rows = _partial_rows(r, qh, split, NUM_KV_HEADS * GROUP, NUM_SPLITS)
-        _store_partial(acc_odd, 2 * dh + 1, rows, g_mask, part_o_ptr, HEAD_DIM)
+    _store_odd(acc_odd, dh, l_i, vs, r, qh, g_mask, split, out_ptr, part_o_ptr, stride_or, stride_oh,
+               NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS)
+
+
+@triton.jit
+def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, ids, pages, qk, v_offset,
+                stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
+                HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                TILES_PER_SPLIT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+                NUM_STAGES: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A split's walk over its NVFP4 tiles. Returns (even accumulator, odd accumulator) [G, D/2]
+    and the running (max, sum) [G].
+
+    The query heads are the dots' rows (scores [G, N], acc += P V), or with `SWAP_AB` the tokens
+    are (scores^T [N, G] = K q^T, acc^T [D/2, G] += V^T P^T): the decoded tiles then feed the
+    tensor cores' wide M side (Hopper's wgmma needs M >= 64) and the few query heads the narrow
+    N side. The results are the same."""
+    dh = tl.arange(0, HEAD_DIM // 2)
+    q_base = q_ptr + r * stride_qr
+    if SWAP_AB:  # q^T [D/2, G], acc^T [D/2, G]
+        q_even = tl.load(q_base + qh[None, :] * stride_qh + 2 * dh[:, None], mask=g_mask[None, :], other=0.0)
+        q_odd = tl.load(q_base + qh[None, :] * stride_qh + 2 * dh[:, None] + 1, mask=g_mask[None, :], other=0.0)
+        acc_even = tl.zeros([HEAD_DIM // 2, BLOCK_G], tl.float32)
+    else:  # q [G, D/2], acc [G, D/2]
+        q_even = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :], mask=g_mask[:, None], other=0.0)
+        q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
+        acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
+    q_even, q_odd, acc_odd = q_even.to(COMPUTE), q_odd.to(COMPUTE), acc_even
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    CHUNKS: tl.constexpr = PAGE // BLOCK_N
+    offs = tl.arange(0, BLOCK_N)
+    for step in tl.range(0, steps, num_stages=NUM_STAGES):
+        page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
+        k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
+                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
+        v_slot = v_ptr + v_offset + page * stride_vp + h * stride_vh
+        if not SWAP_AB:
+            # the value tile decoded before the scores: on sm_90 the heads-as-rows walk then needs
+            # 168 registers instead of 231 (3 programs per SM instead of 2; the swap-AB walk
+            # gains nothing from it)
+            v_even, v_odd = _nvfp4_tile(v_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM,
+                                        CODES_ROWS)
+        if SWAP_AB:
+            s = tl.dot(k_even, q_even, input_precision=PRECISION)
+            s = tl.dot(k_odd, q_odd, s, input_precision=PRECISION)
+            s = tl.where(visible[:, None], s * qk, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 1)
+        else:
+            s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
+            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION)
+            s = tl.where(visible[None, :], s * qk, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p = p.to(COMPUTE)
+        if SWAP_AB:
+            v_even, v_odd = _nvfp4_tile(v_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM,
+                                        CODES_ROWS)
+            acc_even = tl.dot(tl.trans(v_even), p, acc_even * alpha[None, :], input_precision=PRECISION)
+            acc_odd = tl.dot(tl.trans(v_odd), p, acc_odd * alpha[None, :], input_precision=PRECISION)
+        else:
+            acc_even = tl.dot(p, v_even, acc_even * alpha[:, None], input_precision=PRECISION)
+            acc_odd = tl.dot(p, v_odd, acc_odd * alpha[:, None], input_precision=PRECISION)
+    if SWAP_AB:
+        acc_even, acc_odd = tl.trans(acc_even), tl.trans(acc_odd)
+    return acc_even, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -368,8 +429,11 @@ def split_dedup_kernel(
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr = False, DECODE_ASM: tl.constexpr = False, CODES_ROWS: tl.constexpr = True,
 ):
-    """Page dedup for several query tokens of one request (layouts of plain elements).
+    """Page dedup for several query tokens of one request (every layout: `BLOCK_SCALED` for
+    NVFP4 head slots, whose even and odd head-dim elements are kept apart as in
+    `nvfp4_decode_kernel`).
 
     One program takes up to TOKENS consecutive tokens of request b (all their query heads of KV
     head h: BLOCK_M rows), builds the union of their index lists in registers, and walks only
@@ -398,8 +462,14 @@ def split_dedup_kernel(
     qh = h * GROUP + g
     n_row = tl.maximum(tl.load(q_pos_ptr + r, mask=row_ok, other=-1).to(tl.int64) + 1, 0)  # visible tokens per row
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(COMPUTE)
+    dh = tl.arange(0, HEAD_DIM // 2)
+    q_rows = q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh
+    if BLOCK_SCALED:
+        q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE)  # the even elements
+        q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0).to(COMPUTE)
+        acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
 
@@ -432,7 +502,7 @@ def split_dedup_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM // 2 if BLOCK_SCALED else HEAD_DIM], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     for tile in tl.range(lo, hi, num_stages=NUM_STAGES):
         sel = (lead > 0) & (rank == tile // CHUNKS)
@@ -445,16 +515,32 @@ def split_dedup_kernel(
         chose = ((tokens >> ti.to(tl.int64)) & 1) != 0
         limit_row = tl.where(chose, n_row - key_t.to(tl.int64) * PAGE, 0)
         kv_visible = tok < tl.max(limit_row, axis=0)
-        k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
-        k = tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+        if BLOCK_SCALED:
+            k, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, kv_visible, PAGE, HEAD_DIM,
+                                   BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION) * qk
+        else:
+            k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
+            k = tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
-        v = tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
-    _store_result(acc, d, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+        p = p.to(COMPUTE)
+        if BLOCK_SCALED:
+            v, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, kv_visible, PAGE,
+                                   HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM, CODES_ROWS)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
+        else:
+            v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
+            v = tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    cols = 2 * dh if BLOCK_SCALED else d
+    _store_result(acc, cols, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
+    if BLOCK_SCALED:  # the odd columns: the statistics were written with the even ones
+        _store_odd(acc_odd, dh, l_i, vs, r, qh, row_ok, split, out_ptr, part_o_ptr, stride_or, stride_oh,
+                   NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS)
 
 
 # -- after the decode ------------------------------------------------------------------------

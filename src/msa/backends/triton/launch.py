@@ -146,15 +146,18 @@ def decode_args(
 
 def _kernel_constants(problem: DecodeProblem, config: LaunchConfig) -> dict[str, Any]:
     """The compile-time constants of the kernel `config` picks, beyond the shared ones."""
+    block_scaled = problem.layout.block_scaled
+    # the packed PTX decode of NVFP4 needs a GPU whose dots run in fp16
+    nvfp4 = dict(DECODE_ASM=config.decode_asm and not interpreting() and config.compute == "fp16",
+                 CODES_ROWS=config.codes_rows)
     if config.dedup:
         return dict(TOKENS=config.tokens, TOKEN_CHUNKS=config.token_chunks, BLOCK_M=config.block_m,
-                    ENTRIES_PAD=config.entries_pad)
+                    ENTRIES_PAD=config.entries_pad, BLOCK_SCALED=block_scaled, **(nvfp4 if block_scaled else {}))
     topk = problem.geometry.topk
     constants = dict(BLOCK_G=config.block_g, GROUP_CHUNKS=config.group_chunks,
                      TOPK_PAD=max(2, 1 << max(topk - 1, 0).bit_length()))
-    if problem.layout.block_scaled:  # the packed PTX decode: a GPU whose dots run in fp16
-        constants["DECODE_ASM"] = config.decode_asm and not interpreting() and config.compute == "fp16"
-        constants["CODES_ROWS"] = config.codes_rows
+    if block_scaled:
+        constants.update(nvfp4, SWAP_AB=config.swap_ab)
     return constants
 
 
