@@ -30,8 +30,9 @@ from msa.workload import make_decode_step
 
 VARIANTS: dict[str, list[dict[str, Any]]] = {
     "nvfp4": [
-        dict(codes_rows=rows, block_n=bn, num_warps=w, num_stages=st)
-        for rows, bn, w, st in itertools.product((False, True), (64, 128), (4,), (2, 3, 4))
+        *(dict(swap_ab=swap, block_n=bn, num_warps=4, num_stages=st)
+          for swap, bn, st in itertools.product((False, True), (64, 128), (2, 3))),
+        dict(swap_ab=False, block_n=128, num_warps=8, num_stages=2),
     ],
     "fp8_e4m3": [
         dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3, 4))
@@ -40,6 +41,30 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
         dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))
     ],
 }
+
+
+def prepare_case(step: Any, batch: int, gen: torch.Generator) -> tuple[int, torch.Tensor, Any, Any, StepTables,
+                                                                        torch.Tensor]:
+    """The first `batch` requests of `step` (L = 1, fresh q and indices): (bytes the step moves,
+    the reference output, problem, inputs, tables, an output buffer)."""
+    kw = _case(step, batch, 1, gen)
+    problem, inputs = check_decode_inputs(**kw)
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+    return (step_bytes(kw, step), msa.sparse_decode(**kw, backend="reference"), problem, inputs,
+            StepTables.for_inputs(problem, inputs), out)
+
+
+def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: StepTables, out: torch.Tensor,
+                   ref: torch.Tensor, timer: Timer) -> tuple[Any, float, float]:
+    """(plan, max abs error against `ref`, us per L2-flushed graph replay) of `backend` on a step;
+    `out` is poisoned with NaN before the first run."""
+    plan = backend.plan(problem, tables)
+    run = functools.partial(backend.run, plan, inputs, out, None)
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    err = (out.float() - ref.float()).abs().max().item()
+    return plan, err, timer.graph(run)
 
 
 def main() -> None:
@@ -58,23 +83,11 @@ def main() -> None:
         step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
                                 device="cuda", seed=0)
         for batch in batches:
-            kw = _case(step, batch, 1, gen)
-            n_bytes = step_bytes(kw, step)
-            ref = msa.sparse_decode(**kw, backend="reference")
-            problem, inputs = check_decode_inputs(**kw)
-            tables = StepTables.for_inputs(problem, inputs)
-            out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+            n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
             variants: list[dict[str, Any]] = [{}, *VARIANTS[layout]]
             for overrides in variants:
-                backend = TritonBackend(**overrides)
                 try:
-                    plan = backend.plan(problem, tables)
-                    run = functools.partial(backend.run, plan, inputs, out, None)
-                    out.fill_(float("nan"))
-                    run()
-                    torch.cuda.synchronize()
-                    err = (out.float() - ref.float()).abs().max().item()
-                    us = timer.graph(run)
+                    plan, err, us = check_and_time(TritonBackend(**overrides), problem, inputs, tables, out, ref, timer)
                 except Exception as exc:  # a configuration that does not compile (registers, shared memory)
                     print(f"{layout} B={batch} {overrides}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
