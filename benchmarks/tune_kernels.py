@@ -1,6 +1,7 @@
 """Kernel variants for the memory-bound targets, checked and timed in one run (GPU):
 
-    PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--layouts nvfp4,fp8_e4m3] [--batches 64,256]
+    PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--layouts nvfp4,fp8_e4m3] [--batches 64,256] \
+        [--variant '{"num_splits": 2}' ...]
 
 For each layout and batch (M3 TP1, 64K contexts, L = 1): the default launch configuration and
 variants of tile size, warps, pipeline stages and (NVFP4) the packed PTX decode, each compared
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--layouts", default="nvfp4,fp8_e4m3")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="JSON launch-config overrides to time instead of the built-in list (repeatable)")
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
     copy = copy_bandwidth(timer)
@@ -84,7 +87,7 @@ def main() -> None:
                                 device="cuda", seed=0)
         for batch in batches:
             n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
-            variants: list[dict[str, Any]] = [{}, *VARIANTS[layout]]
+            variants: list[dict[str, Any]] = [{}, *([json.loads(v) for v in args.variant] or VARIANTS[layout])]
             for overrides in variants:
                 try:
                     plan, err, us = check_and_time(TritonBackend(**overrides), problem, inputs, tables, out, ref, timer)
