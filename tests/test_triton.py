@@ -146,7 +146,8 @@ def test_triton_is_not_chosen_automatically_on_the_cpu() -> None:
 def test_config_depends_on_shapes_and_sms_only() -> None:
     m3 = msa.MINIMAX_M3
     small = choose_config(m3, 1, 132)
-    assert small.num_splits > 1 and small.tiles_per_split * small.num_splits >= m3.topk * 2
+    assert small.num_splits > 1 and small.tiles_per_split * small.num_splits >= m3.topk * (m3.page_size // small.block_n)
+    assert (small.block_n, small.num_splits) == (128, m3.topk), "B=1: one whole page per split"
     assert choose_config(m3, 256, 132).fused
     assert choose_config(m3, 1, 132) == choose_config(m3, 1, 132)
     wide = choose_config(msa.Geometry(128, 1, 128, 128, 16), 4, 132)

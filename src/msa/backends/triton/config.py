@@ -89,7 +89,8 @@ def choose_config(
 
     Defaults measured on the H200 (benchmarks/RESULTS.md; tune_triton.py, tune_splits.py,
     tune_stages.py, tune_kernels.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized
-    caches and 2 for bf16/fp16; in one fused pass every layout takes whole 128-token pages.
+    caches and 2 for bf16/fp16; in one fused pass, or with a split per selected page, every
+    layout takes whole 128-token pages.
     """
     g = geometry
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
@@ -111,7 +112,13 @@ def choose_config(
         full = (1 if quantized else 2) * sm_count
         num_splits = 1 if programs >= full else 1 << max((WAVES * sm_count // programs).bit_length() - 1, 0)
     if block_n is None:
-        whole_pages = num_splits == 1 and g.head_dim <= 128
+        # whole 128-token pages in one fused pass, and with one page per split when the heuristic
+        # wants more splits than entries (NVFP4: as many). H200, tune_kernels.py, M3 TP1, against
+        # 64-token tiles: B=1 fp8 12.7 -> 12.1 us, bf16 13.4 -> 13.0, nvfp4 13.9 -> 13.4; B=4 16.1
+        # -> 15.7, 18.6 -> 17.9, 21.2 -> 17.0; at B=8 (16 splits) only nvfp4 gains (27.7 -> 24.8 us;
+        # fp8 21.9 -> 22.7, bf16 23.5 -> 24.6 us)
+        one_page_each = num_splits >= g.topk if layout.block_scaled else num_splits > g.topk
+        whole_pages = (num_splits == 1 or one_page_each) and g.head_dim <= 128
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
