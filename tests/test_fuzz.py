@@ -94,16 +94,20 @@ def test_fuzz_reference_and_oracle(params: dict[str, Any], seed: int) -> None:
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 @FUZZ
 @given(params=step_params(max_batch=2), seed=SEEDS, splits=st.sampled_from([None, 1, 3]),
-       dedup=st.sampled_from([None, True, False]), lse_wanted=st.booleans())
-def test_fuzz_triton(params: dict[str, Any], seed: int, splits: int | None, dedup: bool | None, lse_wanted: bool) -> None:
+       dedup=st.sampled_from([None, True, False]), lse_wanted=st.booleans(),
+       tiles=st.sampled_from([{}, {"block_n": 16}, {"swap_ab": True}, {"swap_ab": True, "block_n": 16}]))
+def test_fuzz_triton(params: dict[str, Any], seed: int, splits: int | None, dedup: bool | None, lse_wanted: bool,
+                     tiles: dict[str, Any]) -> None:
+    """Every kernel path, with tiles that start inside a page (`block_n` 16) and NVFP4's swap-AB
+    walk among them."""
     device = "cpu" if INTERPRET else "cuda"
     hostile = make_hostile(params, seed, device=device)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(tiles)
     if splits is not None:
         overrides["num_splits"] = splits
     if dedup is not None:
         overrides["dedup"] = dedup
-    note(f"{hostile} splits={splits} dedup={dedup} lse={lse_wanted}")
+    note(f"{hostile} splits={splits} dedup={dedup} lse={lse_wanted} tiles={tiles}")
     out, lse = run_triton(hostile, TritonBackend(**overrides), lse_wanted, device)
     if lse is None:  # the no-LSE path: compare the output alone
         _, lse = _outputs(hostile)

@@ -8,11 +8,15 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from cases import Case, build
 
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
+from msa.backends.triton.kernels import _nvfp4_scale_bytes
+from msa.layouts.nvfp4 import scale_byte_index
 from msa.validation import check_decode_inputs
 
 pytestmark = pytest.mark.skipif(
@@ -93,6 +97,32 @@ def test_triton_nvfp4_kernel_forms(swap_ab: bool, splits: int, block_n: int, gen
     kw["seq_lens"] = torch.tensor([37, 1, 150], dtype=torch.int32)
     out, lse = run_triton(kw, TritonBackend(num_splits=splits, block_n=block_n, swap_ab=swap_ab))
     assert_matches_reference(kw, out, lse, rtol=2**-7)
+
+
+@triton.jit
+def _scale_bytes_probe(slot_ptr, out_ptr, n, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    tok = tl.arange(0, PAGE)
+    scale_bytes = _nvfp4_scale_bytes(slot_ptr, tok, tok < n, PAGE, HEAD_DIM, INTERLEAVED)
+    g = tl.arange(0, HEAD_DIM // 16)
+    tl.store(out_ptr + tok[:, None] * (HEAD_DIM // 16) + g[None, :], scale_bytes)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("visible", [0, 1, 37, 64])
+def test_nvfp4_scales_of_unread_tokens_are_zero(interleaved: bool, visible: int, gen: torch.Generator) -> None:
+    """The kernels' scale loads give a zero scale for every token past the row's length, whatever
+    its byte holds (E4M3 NaN here). A direct check: the interpreter decodes 0x7F as 480, not NaN,
+    so a leak would not show in the outputs of a CPU run (on the GPU it would be NaN)."""
+    page, head_dim = 64, 128
+    groups = head_dim // 16
+    slot = torch.randint(0, 0x7F, (page * (head_dim // 2 + groups),), dtype=torch.uint8, generator=gen)
+    token = torch.arange(page)[:, None]
+    index = page * head_dim // 2 + scale_byte_index(token, torch.arange(groups)[None, :], groups, interleaved)
+    slot[index[visible:]] = 0x7F
+    out = torch.full((page, groups), 0xAA, dtype=torch.uint8)
+    _scale_bytes_probe[(1,)](slot, out, visible, PAGE=page, HEAD_DIM=head_dim, INTERLEAVED=interleaved)
+    assert torch.equal(out[:visible], slot[index[:visible]])
+    assert (out[visible:] == 0).all()
 
 
 def test_triton_group_chunks(gen: torch.Generator) -> None:

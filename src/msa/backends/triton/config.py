@@ -34,7 +34,7 @@ class LaunchConfig:
     codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.
     swap_ab: NVFP4 dots take the tokens as rows (scores^T = K q^T, acc^T += V^T P^T), the form
         Hopper's wgmma accepts (M >= 64); off (the default): the query heads are the rows
-        (mma.sync), which on the H200 needs 168 registers instead of 246 and runs faster
+        (mma.sync), which on the H200 needs 168 registers against swap-AB's 246 and runs faster
         (tune_kernels.py: 66.8 vs 72.9 us at B=64, 209.0 vs 258.0 us at B=256).
     dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
         of the tokens' page lists, reading each page once (`token_chunks` chunks per request,

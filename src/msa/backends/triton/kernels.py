@@ -271,6 +271,23 @@ def split_decode_kernel(
 
 
 @triton.jit
+def _nvfp4_scale_bytes(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The E4M3 block-scale bytes of tokens `tok` [N] of a head slot, [N, D/16]; 0 (a zero scale)
+    for tokens not `visible`, whatever their bytes hold (an unread scale may be NaN).
+
+    Value scales run along tokens in quads (`INTERLEAVED`): a token mask would split every 4-byte
+    quad into single bytes, which cp.async cannot copy, and the load would not be pipelined; so
+    the quads are loaded whole (inside the page: in bounds) and the bytes of tokens past the
+    row's length are zeroed after the load."""
+    GROUPS: tl.constexpr = HEAD_DIM // 16
+    gi = tl.arange(0, GROUPS)
+    pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
+    if INTERLEAVED:
+        return tl.where(visible[:, None], tl.load(slot + PAGE * (HEAD_DIM // 2) + pos), 0)
+    return tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
+
+
+@triton.jit
 def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                 INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr):
     """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2].
@@ -290,15 +307,7 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
         bi = tl.arange(0, 8)
         code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
         codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
-    pos = nvfp4_scale_offset(tok[:, None], gi[None, :], GROUPS, INTERLEAVED)
-    if INTERLEAVED:
-        # value scales run along tokens in quads: a token mask would split every 4-byte quad into
-        # single bytes (no async copy, no pipelining), so the quads are loaded whole (inside the
-        # page: in bounds) and the scales of tokens past the row's length are zeroed instead
-        scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos)
-        scale_bytes = tl.where(visible[:, None], scale_bytes, 0)
-    else:
-        scale_bytes = tl.load(slot + PAGE * (HEAD_DIM // 2) + pos, mask=visible[:, None], other=0)
+    scale_bytes = _nvfp4_scale_bytes(slot, tok, visible, PAGE, HEAD_DIM, INTERLEAVED)
     scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
     if DECODE_ASM:
         even, odd = tl.inline_asm_elementwise(_NVFP4_DECODE_ASM, "=r,=r,=r,=r,r,r,r", [codes, scale],
