@@ -52,6 +52,10 @@ class ReferenceBackend(Backend[DecodeProblem]):
         hkv, group, p, d = g.num_kv_heads, g.group_size, g.page_size, g.head_dim
         device = inputs.q.device
         used, block, page, visible = resolve_entries(inputs)
+        # used entries first, in list order: where skipped entries sit in a list (-1 at the front,
+        # middle or tail) then cannot change the order of the sums, so the result is bit-identical
+        order = torch.argsort((~used).to(torch.int8), dim=-1, stable=True)
+        used, block, page = (t.gather(-1, order) for t in (used, block, page))
         score_scale = _product(inputs.sm_scale, inputs.q_scale, device)
         q = inputs.q.float().view(-1, hkv, group, d).transpose(0, 1)  # [Hkv, R, G, D]
         heads = torch.arange(hkv, device=device).view(hkv, 1, 1)
