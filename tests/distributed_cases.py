@@ -11,10 +11,11 @@ collectives in the same order and the parent reports every failure of every rank
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -277,11 +278,25 @@ def _page_size(kw: dict[str, Any]) -> int:
     return int(msa.get_layout(kw["kv_cache_dtype"]).inspect(kw["kv_cache"]).page_size)
 
 
+@contextlib.contextmanager
+def rank_report(rank: int, result_dir: str) -> Iterator[dict[str, Any]]:
+    """The result of one rank's worker: the body fills it; on leaving, the rank leaves the process
+    group, and whatever the body raised is recorded as a failure; `rank{r}.json` is written
+    either way (the parent reads it)."""
+    result: dict[str, Any] = {"rank": rank, "failures": [], "checks": 0}
+    try:
+        yield result
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported by the parent
+        result["failures"].append(f"rank {rank}: {traceback.format_exc()}")
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
 def worker(rank: int, world_size: int, init_file: str, seed: int, result_dir: str, device_kind: str,
            backends: tuple[str, ...], scenario_names: list[str] | None = None) -> None:
     """One rank: run every scenario, write `rank{r}.json` with the failures and the check count."""
-    result: dict[str, Any] = {"rank": rank, "failures": [], "checks": 0}
-    try:
+    with rank_report(rank, result_dir) as result:
         if device_kind == "cuda":
             torch.cuda.set_device(rank)
             device = f"cuda:{rank}"
@@ -304,11 +319,6 @@ def worker(rank: int, world_size: int, init_file: str, seed: int, result_dir: st
         if device == "cpu" and os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
             forced_kernel_pass(check, seed, device)
         result["failures"], result["checks"] = check.failures, check.checks
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        result["failures"].append(f"rank {rank}: {traceback.format_exc()}")
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def forced_kernel_pass(check: Checker, seed: int, device: str) -> None:
@@ -521,8 +531,7 @@ def graph_worker(rank: int, world_size: int, init_file: str, seed: int, result_d
     """CUDA-graph capture of the planner form (NCCL), replayed over `steps` steps while seq_lens,
     the block tables, the rotation, the top-k lists and q change in place; every replay is
     compared with the single-process reference."""
-    result: dict[str, Any] = {"rank": rank, "failures": [], "checks": 0}
-    try:
+    with rank_report(rank, result_dir) as result:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -536,8 +545,3 @@ def graph_worker(rank: int, world_size: int, init_file: str, seed: int, result_d
                 except Exception:  # noqa: BLE001 - reported by the parent
                     check.failures.append(f"rank {rank}, graph {layout} {method}: {traceback.format_exc()}")
         result["failures"], result["checks"] = check.failures, check.checks
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        result["failures"].append(f"rank {rank}: {traceback.format_exc()}")
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
