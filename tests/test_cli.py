@@ -60,7 +60,7 @@ def test_layouts_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "nvfp4" in out and "144" in out and "[pages, 2*Hkv, P, 72]" in out
     assert main(["version"]) == 0
-    assert "backends: cutlass_sm100, flashinfer, triton, reference" in capsys.readouterr().out
+    assert "backends: cutlass_sm100, flashinfer, cute, triton, reference" in capsys.readouterr().out
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

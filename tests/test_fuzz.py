@@ -32,18 +32,21 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Pha
 
 
 @st.composite
-def step_params(draw: st.DrawFn, max_batch: int = 3) -> dict[str, Any]:
-    layout = draw(st.sampled_from(LAYOUTS))
+def step_params(draw: st.DrawFn, max_batch: int = 3, layouts: tuple[str, ...] = LAYOUTS, head_dim: int = 64,
+                groups: tuple[int, ...] = (1, 2, 4, 16), pages: tuple[int, ...] = (16, 32), max_topk: int = 5,
+                max_blocks: int = 5) -> dict[str, Any]:
+    """Hostile-step parameters (`make_hostile`); the defaults keep an interpreter run short."""
+    layout = draw(st.sampled_from(layouts))
     return {
         "layout": layout,
         "batch": draw(st.integers(0, max_batch)),
         "query_len": draw(st.integers(1, 4)),
         "num_kv_heads": draw(st.sampled_from([1, 2])),
-        "group": draw(st.sampled_from([1, 2, 4, 16])),
-        "head_dim": 64,
-        "page_size": draw(st.sampled_from([16, 32])),
-        "topk": draw(st.integers(1, 5)),
-        "max_blocks": draw(st.integers(1, 5)),
+        "group": draw(st.sampled_from(groups)),
+        "head_dim": head_dim,
+        "page_size": draw(st.sampled_from(pages)),
+        "topk": draw(st.integers(1, max_topk)),
+        "max_blocks": draw(st.integers(1, max_blocks)),
         "ragged": draw(st.booleans()),
         "token_major": draw(st.booleans()),
         "tensor_scales": draw(st.booleans()),

@@ -233,7 +233,7 @@ def test_a_broken_factory_runs_once(site: Path) -> None:
     for _ in range(3):
         with pytest.raises(MSAPluginError, match="its factory raised OSError"):
             registry.get("raisefactory")
-    assert [b.name for b in registry.backends()] == ["cutlass_sm100", "flashinfer", "triton", "reference"]
+    assert [b.name for b in registry.backends()] == ["cutlass_sm100", "flashinfer", "cute", "triton", "reference"]
     assert len(sys.modules["raisefactory"].CALLS) == 1, "the failure is recorded, the factory not re-run"
     assert registry.broken["raisefactory"].error.startswith("its factory raised OSError")
 

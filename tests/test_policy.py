@@ -228,10 +228,10 @@ def test_reference_runs_everywhere(policy: SelectionPolicy) -> None:
 
 
 def test_auto_takes_the_first_qualified_in_priority_order(policy: SelectionPolicy) -> None:
-    assert policy.order() == ["cutlass_sm100", "flashinfer", "triton", "reference"]
+    assert policy.order() == ["cutlass_sm100", "flashinfer", "cute", "triton", "reference"]
     selection = policy.evaluate(problem(q=torch.bfloat16), SM100)
     assert selection.chosen == "triton"
-    assert set(selection.rejected) == {"cutlass_sm100", "flashinfer"}
+    assert set(selection.rejected) == {"cutlass_sm100", "flashinfer", "cute"}
     text = selection.explain()
     assert "requested 'auto': runs on 'triton'" in text and "takes q in float8_e4m3fn, not bfloat16" in text
     assert policy.evaluate(problem(q=torch.bfloat16), CPU).chosen == "reference"

@@ -87,7 +87,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def test_hook_msa_backends_registers_the_builtins_through_the_hook() -> None:
     registry = BackendRegistry(environ={"MSA_DISABLE_PLUGINS": "1"})
     assert registry.manager.is_registered(sys.modules["msa.builtin"])
-    assert registry.names() == ["cutlass_sm100", "flashinfer", "triton", "reference"]
+    assert registry.names() == ["cutlass_sm100", "flashinfer", "cute", "triton", "reference"]
     assert all(r.source == BUILTIN_SOURCE for r in registry.records())
     assert registry.resolve("cutlass") == "cutlass_sm100"
     assert registry.get("reference") is registry.get("reference")

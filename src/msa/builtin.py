@@ -7,6 +7,7 @@ from msa.hooks import BackendRecord, hookimpl
 
 @hookimpl
 def msa_backends() -> list[BackendRecord]:
+    from msa.backends.cute import CuteBackend
     from msa.backends.cutlass_sm100 import CutlassSM100Backend
     from msa.backends.flashinfer import FlashInferBackend
     from msa.backends.reference import ReferenceBackend
@@ -25,6 +26,12 @@ def msa_backends() -> list[BackendRecord]:
             factory=FlashInferBackend,
             priority=200,
             description=FlashInferBackend.description,
+        ),
+        BackendRecord(
+            name="cute",
+            factory=CuteBackend,
+            priority=150,
+            description=CuteBackend.description,
         ),
         BackendRecord(
             name="triton",

@@ -25,12 +25,13 @@ __all__ = [
 ]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
-OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer")
+OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer", "cutlass_dsl")
 
 #: Where each optional package may live, first place first: MSA's CUTLASS kernels (`fmha_sm100`)
 #: ship inside vLLM (>= 0.33) as `vllm.third_party.fmha_sm100`; a standalone `fmha_sm100` counts too.
 PACKAGE_LOCATIONS: dict[str, tuple[str, ...]] = {
     "fmha_sm100": ("vllm.third_party.fmha_sm100", "fmha_sm100"),
+    "cutlass_dsl": ("cutlass.cute",),  # nvidia-cutlass-dsl (the older nvidia-cutlass is `cutlass` too)
 }
 
 

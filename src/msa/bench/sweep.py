@@ -19,6 +19,7 @@ from msa.bench.baselines import flex_attend, torch_gather_attend
 from msa.bench.integrations import INTEGRATIONS
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
+from msa.errors import MSAUnsupportedError
 from msa.layouts import cache_nbytes
 from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
@@ -182,7 +183,11 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                     runs += [("triton", s) for s in config.strategies if s != "auto"]
                 for name, strategy in runs:
                     if strategy == "auto":
-                        times, out = _time_backend(name, kw, timer, config.graph)
+                        try:
+                            times, out = _time_backend(name, kw, timer, config.graph)
+                        except MSAUnsupportedError as exc:  # a backend named for some layouts only
+                            print(f"  {layout} B={requests} L={length} {name}: skipped ({exc})", file=log, flush=True)
+                            continue
                     else:
                         times, out = _time_strategy(strategy, kw, timer, config.graph)
                     err = (out.float() - ref_out.float()).abs().max().item()

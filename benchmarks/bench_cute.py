@@ -1,0 +1,124 @@
+"""The CuTe DSL NVFP4 kernel against the reference and against the Triton kernel (GPU with
+`nvidia-cutlass-dsl`):
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/bench_cute.py --out DIR [--batches 1,64,256] [--splits 1,2,3,4]
+
+First every check case (short and long contexts, partly visible last pages, -1 padding, L = 1
+and L = 4, GQA groups 16 and 8, bf16 and fp8 q, with and without LSE), each on fresh data and
+compared with the reference (outputs poisoned with NaN first); then M3 TP1 at 64K contexts,
+L = 1: the Triton kernel's default and the cute kernel at its default and forced split counts,
+as L2-flushed CUDA-graph replays, with the copy bandwidth of the same run. Writes
+bench_cute.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tune_kernels import check_and_time, prepare_case
+
+import msa
+from msa.backends.cute import CuteBackend
+from msa.backends.triton import TritonBackend
+from msa.bench.timing import Timer, copy_bandwidth
+from msa.display import format_table
+from msa.problem import Geometry
+from msa.validation import check_decode_inputs
+from msa.workload import make_decode_step
+
+TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 operands, fp32 sums)
+
+
+def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
+    rows = []
+    cases = [
+        dict(geometry=msa.MINIMAX_M3, batch=3, length=1, context=1000, q=torch.bfloat16, lse=False),
+        dict(geometry=msa.MINIMAX_M3, batch=5, length=1, context=20000, q=torch.bfloat16, lse=True),
+        dict(geometry=msa.MINIMAX_M3, batch=2, length=4, context=3000, q=torch.bfloat16, lse=True),
+        dict(geometry=msa.MINIMAX_M3, batch=4, length=1, context=300, q=torch.float8_e4m3fn, lse=False),
+        dict(geometry=Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, topk=8),
+             batch=3, length=2, context=700, q=torch.float16, lse=True),
+        dict(geometry=Geometry(num_q_heads=40, num_kv_heads=2, head_dim=128, page_size=128, topk=20),
+             batch=2, length=1, context=5000, q=torch.bfloat16, lse=True),
+    ]
+    for i, c in enumerate(cases):
+        step = make_decode_step(c["geometry"], batch_size=c["batch"], decode_query_len=c["length"],
+                                context_len=c["context"], kv_cache_dtype="nvfp4", q_dtype=c["q"], device="cuda",
+                                seed=int(torch.randint(2**31, (), generator=gen, device="cuda").item()))
+        kw = step.kwargs()
+        # -1 padding in a few lists
+        topk = kw["topk_indices"].clone()
+        topk[:, ::3, -2:] = -1
+        kw["topk_indices"] = topk
+        ref = msa.sparse_decode(**kw, backend="reference", return_lse=c["lse"])
+        problem, inputs = check_decode_inputs(**kw)
+        for splits in (None, 1, 3):
+            r = ref[0] if c["lse"] else ref
+            o = torch.full_like(r, float("nan"))
+            lse = torch.full(o.shape[:2], float("nan"), device="cuda") if c["lse"] else None
+            CuteBackend(num_splits=splits).run_step(problem, inputs, o, lse)
+            err = (o.float() - r.float()).abs().max().item()
+            lerr = lse_inf_ok = 0.0
+            if lse is not None:
+                lerr = (lse - ref[1]).abs().nan_to_num(0.0).max().item()
+                lse_inf_ok = bool(((lse == float("-inf")) == (ref[1] == float("-inf"))).all())
+            else:
+                lse_inf_ok = True
+            ok = err < TOLERANCE and lerr < TOLERANCE and lse_inf_ok and not o.isnan().any().item()
+            rows.append(dict(case=i, splits=splits, err=err, lse_err=lerr, ok=ok))
+            print(f"check case {i} splits={splits}: err {err:.2e} lse {lerr:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--splits", default="")
+    parser.add_argument("--stages", default="")
+    parser.add_argument("--chains", default="")
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
+    t0 = time.time()
+    checks = [] if args.skip_checks else check_cases(gen)
+    print(f"checks done in {time.time() - t0:.1f} s (includes compiling)", flush=True)
+    timer = Timer(reps=args.reps)
+    copy = copy_bandwidth(timer)
+    batches = [int(b) for b in args.batches.split(",")]
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype="nvfp4",
+                            device="cuda", seed=0)
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
+        variants: list[tuple[str, Any]] = [("triton", TritonBackend()), ("cute", CuteBackend())]
+        variants += [(f"cute splits={s}", CuteBackend(num_splits=int(s))) for s in args.splits.split(",") if s]
+        variants += [(f"cute stages={st}", CuteBackend(stages=int(st))) for st in args.stages.split(",") if st]
+        variants += [(f"cute chains={c}", CuteBackend(qk_chains=int(c))) for c in args.chains.split(",") if c]
+        for name, backend in variants:
+            try:
+                plan, err, us = check_and_time(backend, problem, inputs, tables, out, ref, timer)
+            except Exception as exc:
+                print(f"B={batch} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            splits = plan.config.num_splits
+            rows.append(dict(batch=batch, variant=name, us=us, frac_copy=n_bytes / us / 1e3 / copy, err=err,
+                             splits=splits))
+            print(f"B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us {n_bytes / us / 1e3 / copy:.2f} "
+                  f"err {err:.1e}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_cute.json").write_text(json.dumps(dict(copy_gbps=copy, checks=checks, rows=rows), indent=1))
+    print(f"copy bandwidth {copy:.0f} GB/s; checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")
+    print(format_table(["B", "variant", "splits", "us", "x copy", "err"],
+                       [[r["batch"], r["variant"], r["splits"], round(r["us"], 1), round(r["frac_copy"], 2),
+                         f"{r['err']:.1e}"] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

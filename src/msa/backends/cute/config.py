@@ -1,0 +1,56 @@
+"""Launch configuration of the CuTe DSL kernel (no DSL import here): the kernel's fixed shape
+and how many splits a row's tokens get."""
+
+from __future__ import annotations
+
+import attrs
+
+from msa.problem import DecodeProblem
+
+__all__ = ["CuteConfig", "choose_splits", "programs", "CTAS_PER_SM", "WARPS", "STEP", "DEFAULT_STAGES",
+           "SLOT", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS"]
+
+#: Warps per CTA, tokens per warp step, steps each warp has in flight, bytes of a thread's stage slot.
+WARPS = 4
+STEP = 16
+DEFAULT_STAGES = 4
+SLOT = 80
+#: Independent accumulator chains of a score tile's 8 mma k-steps.
+DEFAULT_QK_CHAINS = 1
+#: CTAs of the kernel that fit on one SM (162 registers x 128 threads on sm_90).
+CTAS_PER_SM = 3
+#: Fewer (row, KV head, 16-head chunk) programs than this and `auto` leaves the step to the Triton
+#: kernel: H200, M3 TP1, 64K contexts, benchmarks/bench_cute.py: B=1 (4 programs) Triton 13.3 us,
+#: cute 16.2; B=8 (32) Triton 24.6, cute 22.3.
+AUTO_MIN_PROGRAMS = 32
+#: Each warp walks at least this many steps of a split (the prologue is paid per CTA).
+_MIN_STEPS_PER_WARP = 4
+
+
+@attrs.frozen
+class CuteConfig:
+    """Attributes:
+    num_splits: CTAs per (row, KV head, 16 query heads); 1 writes the output directly,
+        more write partials that the merge combines.
+    stages: 16-token steps each warp has in flight.
+    qk_chains: independent accumulator chains of the score mma k-steps.
+    """
+
+    num_splits: int
+    stages: int = DEFAULT_STAGES
+    qk_chains: int = DEFAULT_QK_CHAINS
+
+
+def programs(problem: DecodeProblem) -> int:
+    """(row, KV head, chunk of 16 query heads) programs of a step: the CTAs of one split."""
+    g = problem.geometry
+    return problem.num_rows * g.num_kv_heads * -(-g.group_size // 16)
+
+
+def choose_splits(problem: DecodeProblem, sm_count: int) -> int:
+    """As many splits as fill the SMs' CTA slots once (never more: a second partial wave cost
+    more than it gave, H200 B=64: 1 split 52.3 us, 2 splits 60.9), while each warp keeps at
+    least 4 steps of the row's selected tokens."""
+    g = problem.geometry
+    most = max(1, g.topk * g.page_size // (WARPS * STEP * _MIN_STEPS_PER_WARP))
+    return max(1, min(most, CTAS_PER_SM * sm_count // max(programs(problem), 1)))

@@ -1,0 +1,138 @@
+"""Host side of the CuTe DSL backend: the compile cache, the split count, the workspace and the
+launches (the decode kernel, then Triton's split merge when the step is split).
+
+Kernels are compiled on first use for the GPU they run on (`cute.compile`, one per
+`KernelSpec`), under a lock, and kept for the life of the process. Every argument the kernel
+takes is a device address, a stride or a size: one compiled kernel serves every batch size.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from msa.backends.cute.config import CuteConfig
+from msa.backends.triton.kernels import LOG2E, merge_kernel
+from msa.errors import MSAInputError
+from msa.planning import RowMetadata
+from msa.problem import DecodeProblem
+from msa.validation import DecodeInputs
+
+__all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_for"]
+
+_Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}
+_OUT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_lock = threading.Lock()
+_compiled: dict[Any, Any] = {}
+
+
+class CuteWorkspace:
+    """What a plan owns: split partials `[B*L*Hq*S, D]` / `[B*L*Hq*S, 2]` (fp32) and a 1.0 the
+    kernel reads for every scale the caller gives as a float."""
+
+    def __init__(self, problem: DecodeProblem, config: CuteConfig, device: torch.device) -> None:
+        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits if config.num_splits > 1 else 0
+        self.partial_out = torch.empty((max(rows, 1), problem.geometry.head_dim), dtype=torch.float32, device=device)
+        self.partial_ml = torch.empty((max(rows, 1), 2), dtype=torch.float32, device=device)
+        self.one = torch.ones(1, dtype=torch.float32, device=device)
+
+
+def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype, with_lse: bool) -> Any:
+    """The `KernelSpec` of a step (imports the DSL)."""
+    from msa.backends.cute.kernel import KernelSpec
+
+    g = problem.geometry
+    return KernelSpec(g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
+                      with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains)
+
+
+def prepare(problem: DecodeProblem, config: CuteConfig) -> None:
+    """Compile the kernels a plan's `run` may launch (its output dtype, with and without LSE),
+    so that no compilation happens inside a graph capture."""
+    for with_lse in (False, True):
+        compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse))
+
+
+def compiled_kernel(spec: Any) -> Any:
+    """The compiled kernel of `spec` (compiled once per process, for the current GPU)."""
+    with _lock:
+        fn = _compiled.get(spec)
+        if fn is None:
+            import cutlass.cute as cute
+            from cutlass import Float32, Int32, Int64
+            from cutlass.runtime import make_fake_stream
+
+            from msa.backends.cute.kernel import build
+
+            args = [Int64(0)] * 14 + [Float32(1.0), Float32(1.0)] + [Int32(1)] * 3 + [Int64(0)] * 13 + [Int32(1)] * 4
+            fn = cute.compile(build(spec), *args, make_fake_stream())
+            _compiled[spec] = fn
+    return fn
+
+
+def _scales(inputs: DecodeInputs, one: torch.Tensor) -> tuple[float, float, list[torch.Tensor]]:
+    """(qk factor of the float scales, v factor, the four tensors the kernel reads: the caller's
+    tensor scales, `one` for each float)."""
+    factors, tensors = [], []
+    for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
+        value = getattr(inputs, name)
+        if isinstance(value, torch.Tensor):
+            factors.append(1.0)
+            tensors.append(value)
+        else:
+            factors.append(float(value))
+            tensors.append(one)
+    return factors[0] * factors[1] * factors[2] * LOG2E, factors[3], tensors
+
+
+def launch_cute(
+    problem: DecodeProblem,
+    inputs: DecodeInputs,
+    rows: RowMetadata,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: CuteConfig,
+    workspace: CuteWorkspace,
+) -> None:
+    """Run the kernel (and the merge when split) into `out` / `lse`. Allocates nothing and never
+    synchronises."""
+    if problem.num_rows == 0:
+        return
+    g = problem.geometry
+    q, topk, table, cache = inputs.q, inputs.topk_indices, inputs.block_table, inputs.kv_cache
+    assert isinstance(cache, torch.Tensor)
+    for name, tensor, align in (("q", q, 4), ("out", out, 4)):
+        if tensor.data_ptr() % align or any(s * tensor.element_size() % align for s in tensor.stride()[:-1]):
+            raise MSAInputError(name, f"rows aligned to {align} bytes for the cute backend (the triton backend "
+                                "takes any)", f"address {tensor.data_ptr():#x}, strides {tensor.stride()}")
+    kv = problem.layout.kv_operands(cache)
+    (stride_cp, stride_ch, _), _ = kv.k_strides, kv.v_strides
+    qk, vs, scales = _scales(inputs, workspace.one)
+    spec = spec_for(problem, config, out.dtype, lse is not None)
+    fn = compiled_kernel(spec)
+    lse_arg = lse if lse is not None else out
+    stream = _stream()
+    fn(q.data_ptr(), cache.data_ptr(), topk.data_ptr(), table.data_ptr(), rows.row_request.data_ptr(),
+       rows.q_pos.data_ptr(), out.data_ptr(), lse_arg.data_ptr(), workspace.partial_out.data_ptr(),
+       workspace.partial_ml.data_ptr(), *(t.data_ptr() for t in scales), qk, vs, cache.shape[0], table.shape[1],
+       config.num_splits, kv.v_offset, q.stride(0), q.stride(1), stride_cp, stride_ch,
+       topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
+       lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
+       problem.num_rows, stream)
+    if config.num_splits > 1:
+        merge_kernel[(problem.num_rows * g.num_q_heads,)](
+            workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,
+            out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
+            NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
+            BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(), V_SCALE_PTR=True, WRITE_LSE=lse is not None,
+            num_warps=4,
+        )
+
+
+def _stream() -> Any:
+    """The current torch stream as the DSL's launch takes it."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)

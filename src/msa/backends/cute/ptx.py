@@ -1,0 +1,296 @@
+"""The PTX the CuTe DSL NVFP4 kernel is made of, one helper per instruction group.
+
+Every helper emits inline PTX through the DSL's LLVM dialect and returns DSL values (`Int32`
+for packed registers, `Float32` for scalars). Loads are predicated: a load whose predicate is
+off writes zero and touches no memory. Import only where `nvidia-cutlass-dsl` is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+__all__ = [
+    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_v4", "ld_v2", "ld_b32", "ld_u16", "ld_b32_plain",
+    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "e4m3x2_scale",
+    "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
+    "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
+    "any",
+]
+
+
+def _asm(n: int, ty: Any, ptx: str, constraints: str, *args: Any, side: bool = False) -> list[Any]:
+    values = [a.ir_value() for a in args]
+    if n == 1:
+        return [llvm.inline_asm(ty(), values, ptx, constraints, has_side_effects=side, is_align_stack=False,
+                                asm_dialect=llvm.AsmDialect.AD_ATT)]
+    struct = llvm.StructType.get_literal([ty()] * n)
+    result = llvm.inline_asm(struct, values, ptx, constraints, has_side_effects=side, is_align_stack=False,
+                             asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [llvm.extractvalue(ty(), result, [i]) for i in range(n)]
+
+
+def _i32(n: int, ptx: str, constraints: str, *args: Any, side: bool = False) -> list[Int32]:
+    return [Int32(v) for v in _asm(n, T.i32, ptx, constraints, *args, side=side)]
+
+
+# -- global memory ---------------------------------------------------------------------------
+
+def ld_v4(addr: Any, pred: Any) -> list[Int32]:
+    """16 bytes from the read-only path (zero when `pred` is 0)."""
+    return _i32(4, "{.reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0;"
+                   " mov.b32 $3, 0; @p ld.global.nc.L1::no_allocate.v4.b32 {$0,$1,$2,$3}, [$4];}",
+                "=r,=r,=r,=r,l,r", addr, pred)
+
+
+def ld_v2(addr: Any, pred: Any) -> list[Int32]:
+    """8 bytes from the read-only path (zero when `pred` is 0)."""
+    return _i32(2, "{.reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;"
+                   " @p ld.global.nc.L1::no_allocate.v2.b32 {$0,$1}, [$2];}", "=r,=r,l,r", addr, pred)
+
+
+def ld_b32(addr: Any, pred: Any) -> Int32:
+    """4 bytes from the read-only path (zero when `pred` is 0)."""
+    return _i32(1, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1];}",
+                "=r,l,r", addr, pred)[0]
+
+
+def ld_u16(addr: Any, pred: Any) -> Int32:
+    """2 bytes, zero-extended (zero when `pred` is 0)."""
+    return _i32(1, "{.reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0;"
+                   " @p ld.global.nc.b16 h, [$1]; cvt.u32.u16 $0, h;}", "=r,l,r", addr, pred)[0]
+
+
+def ld_b32_plain(addr: Any, pred: Any) -> Int32:
+    """4 bytes through the coherent path (index lists, tables, row metadata; 0 when `pred` is 0)."""
+    return _i32(1, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1];}",
+                "=r,l,r", addr, pred, side=True)[0]
+
+
+def ld_f32(addr: Any, pred: Any) -> Float32:
+    """One float through the coherent path (0 when `pred` is 0)."""
+    return Float32(_asm(1, T.f32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.f32 $0, 0f00000000;"
+                                  " @p ld.global.f32 $0, [$1];}", "=f,l,r", addr, pred, side=True)[0])
+
+
+def f32_bits(x: Any) -> Int32:
+    """The bits of a float as an int register."""
+    return _i32(1, "mov.b32 $0, $1;", "=r,f", x)[0]
+
+
+def st_v4(addr: Any, a: Any, b: Any, c: Any, d: Any, pred: Any) -> None:
+    """Store 16 bytes when `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $6, 0; mov.b32 $0, 0;"
+                   " @p st.global.v4.b32 [$1], {$2,$3,$4,$5};}", "=r,l,r,r,r,r,r",
+         addr, a, b, c, d, pred, side=True)
+
+
+def st_f32(addr: Any, value: Any, pred: Any) -> None:
+    """Store one float when `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; @p st.global.f32 [$1], $2;}",
+         "=r,l,f,r", addr, value, pred, side=True)
+
+
+def st_b32(addr: Any, value: Any, pred: Any) -> None:
+    """Store 4 bytes when `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; @p st.global.b32 [$1], $2;}",
+         "=r,l,r,r", addr, value, pred, side=True)
+
+
+# -- asynchronous copies into shared memory (the step pipeline) -------------------------------
+
+def cp_async(dst: Any, src: Any, safe: Any, pred: Any, size: int) -> None:
+    """Copy `size` (4, 8 or 16) bytes from global `src` to shared `dst` (a 32-bit shared address)
+    without waiting; when `pred` is 0 nothing is read (the source is `safe`, zero bytes of it)
+    and the destination gets zeros."""
+    kind = "cg" if size == 16 else "ca"
+    _asm(1, T.i32, f"{{.reg .pred p; .reg .u32 n; .reg .u64 a; setp.ne.b32 p, $4, 0; selp.u32 n, {size}, 0, p;"
+                   f" selp.b64 a, $2, $3, p; mov.b32 $0, 0; cp.async.{kind}.shared.global [$1], [a], {size}, n;}}",
+         "=r,r,l,l,r", dst, src, safe, pred, side=True)
+
+
+def cp_async_commit() -> None:
+    _asm(1, T.i32, "{mov.b32 $0, 0; cp.async.commit_group;}", "=r", side=True)
+
+
+def cp_async_wait(pending: int) -> None:
+    """Wait until at most `pending` committed groups of this thread are in flight."""
+    _asm(1, T.i32, f"{{mov.b32 $0, 0; cp.async.wait_group {pending};}}", "=r", side=True)
+
+
+def lds(addr: Any, words: int) -> list[Int32]:
+    """`words` (1, 2 or 4) 32-bit words from shared address `addr`."""
+    if words == 1:
+        return _i32(1, "ld.shared.b32 $0, [$1];", "=r,r", addr, side=True)
+    outs = ",".join(f"${i}" for i in range(words))
+    return _i32(words, f"ld.shared.v{words}.b32 {{{outs}}}, [${words}];", ",".join(["=r"] * words) + ",r", addr,
+                side=True)
+
+
+# -- NVFP4 decode into mma operands ----------------------------------------------------------
+
+# A code byte's two nibbles as E4M3 bytes: magnitude bits to bits 2-4, sign to bit 7 (the E2M1
+# value times 2^-6; the block scale is taken times 64). `lo` holds the four low nibbles of a
+# word, `hi` the four high ones.
+_NIBBLES = ("shl.b32 t, $W, 2; and.b32 lo, t, 0x1C1C1C1C; shl.b32 t, $W, 4; and.b32 t, t, 0x80808080;"
+            " or.b32 lo, lo, t; shr.b32 t, $W, 2; and.b32 hi, t, 0x1C1C1C1C; and.b32 t, $W, 0x80808080;"
+            " or.b32 hi, hi, t;")
+
+
+def nvfp4_k_word(word: Any, scale: Any) -> list[Int32]:
+    """Four code bytes of one token (elements 8i..8i+7 of its share) -> the f16x2 B-operand
+    registers of two mma k-steps, times the f16x2 scale `scale` (both halves the same block
+    scale): [(e0, e1), (e2, e3)] of the first k-step, then [(e4, e5), (e6, e7)]."""
+    body = _NIBBLES.replace("$W", "$4")
+    return _i32(4, "{.reg .b32 t, lo, hi, a, b; .reg .b16 x0, x1, y0, y1; .reg .b32 f0, f1, f2, f3; " + body
+                   + " prmt.b32 a, lo, hi, 0x5140; prmt.b32 b, lo, hi, 0x7362;"
+                   " mov.b32 {x0, x1}, a; mov.b32 {y0, y1}, b;"
+                   " cvt.rn.f16x2.e4m3x2 f0, x0; cvt.rn.f16x2.e4m3x2 f1, x1;"
+                   " cvt.rn.f16x2.e4m3x2 f2, y0; cvt.rn.f16x2.e4m3x2 f3, y1;"
+                   " mul.rn.f16x2 $0, f0, $5; mul.rn.f16x2 $1, f1, $5; mul.rn.f16x2 $2, f2, $5;"
+                   " mul.rn.f16x2 $3, f3, $5;}",
+                "=r,=r,=r,=r,r,r", word, scale)
+
+
+def nvfp4_v_words(word_a: Any, word_b: Any, scale: Any) -> list[Int32]:
+    """Four code bytes (elements 0..7 of a share) of tokens a and b -> eight f16x2 registers,
+    one per element, each (token a, token b) times `scale` (the two tokens' block scales):
+    elements in the order 0, 2, 4, 6, 1, 3, 5, 7."""
+    body_a = _NIBBLES.replace("$W", "$8").replace("lo", "la").replace("hi", "ha")
+    body_b = _NIBBLES.replace("$W", "$9").replace("lo", "lb").replace("hi", "hb")
+    cvt = []
+    for k, (src, sel) in enumerate((("la, lb", "0x5140"), ("la, lb", "0x7362"), ("ha, hb", "0x5140"),
+                                    ("ha, hb", "0x7362"))):
+        cvt.append(f" prmt.b32 p, {src}, {sel}; mov.b32 {{x0, x1}}, p;"
+                   f" cvt.rn.f16x2.e4m3x2 f0, x0; cvt.rn.f16x2.e4m3x2 f1, x1;"
+                   f" mul.rn.f16x2 ${2 * k}, f0, $10; mul.rn.f16x2 ${2 * k + 1}, f1, $10;")
+    return _i32(8, "{.reg .b32 t, la, ha, lb, hb, p, f0, f1; .reg .b16 x0, x1; " + body_a + " " + body_b
+                   + "".join(cvt) + "}",
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", word_a, word_b, scale)
+
+
+def e4m3x2_scale(bits: Any) -> Int32:
+    """The low two E4M3 bytes of `bits` -> f16x2, each times 64 (exact: at most 448 * 64)."""
+    return _i32(1, "{.reg .b16 x, y; .reg .b32 f, s; mov.b32 {x, y}, $1; cvt.rn.f16x2.e4m3x2 f, x;"
+                   " mov.b32 s, 0x54005400; mul.rn.f16x2 $0, f, s;}", "=r,r", bits)[0]
+
+
+def replicate_half(pair: Any, high: bool) -> Int32:
+    """(x, x) from the low (or high) half of the f16x2 `pair`."""
+    sel = "0x3232" if high else "0x1010"
+    return _i32(1, f"prmt.b32 $0, $1, $1, {sel};", "=r,r", pair)[0]
+
+
+def keep_low_bytes(word: Any, count: Any) -> Int32:
+    """`word` with only its `count` low bytes kept (count clamped to 0..4)."""
+    return _i32(1, "{.reg .b32 c, s, m; .reg .pred full; max.s32 c, $2, 0; min.s32 c, c, 4;"
+                   " setp.ge.s32 full, c, 4; shl.b32 s, c, 3; shl.b32 m, 1, s; sub.u32 m, m, 1;"
+                   " selp.b32 m, 0xFFFFFFFF, m, full; and.b32 $0, $1, m;}", "=r,r,r", word, count)[0]
+
+
+# -- query conversion ------------------------------------------------------------------------
+
+def bf16x2_to_f16x2(word: Any) -> Int32:
+    """Two bf16 -> two f16 (round to nearest)."""
+    return _i32(1, "{.reg .b32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xFFFF0000;"
+                   " cvt.rn.f16x2.f32 $0, hi, lo;}", "=r,r", word)[0]
+
+
+def e4m3x4_to_f16x2(word: Any) -> list[Int32]:
+    """Four E4M3 bytes -> two f16x2 (bytes 0-1, then 2-3)."""
+    return _i32(2, "{.reg .b16 x, y; mov.b32 {x, y}, $2; cvt.rn.f16x2.e4m3x2 $0, x;"
+                   " cvt.rn.f16x2.e4m3x2 $1, y;}", "=r,=r,r", word)
+
+
+def pack_f16x2(lo: Any, hi: Any) -> Int32:
+    """(f16(lo), f16(hi)) in one register, `lo` in the low half."""
+    return _i32(1, "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", lo, hi)[0]
+
+
+# -- math ------------------------------------------------------------------------------------
+
+def mma_f16(a: list[Any], b: list[Any], c: list[Any]) -> list[Float32]:
+    """`mma.sync.m16n8k16` with f16 operands and f32 accumulators: c + a b."""
+    out = _asm(4, T.f32, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7},"
+                         " {$8,$9}, {$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", *a, *b, *c)
+    return [Float32(v) for v in out]
+
+
+def ex2(x: Any) -> Float32:
+    """2^x (`ex2.approx.ftz`: 2^-inf = 0)."""
+    return Float32(_asm(1, T.f32, "ex2.approx.ftz.f32 $0, $1;", "=f,f", x)[0])
+
+
+def fmax(a: Any, b: Any) -> Float32:
+    return Float32(_asm(1, T.f32, "max.f32 $0, $1, $2;", "=f,f,f", a, b)[0])
+
+
+def shfl_xor(x: Any, mask: int) -> Float32:
+    """`x` of the lane `lane ^ mask` (full warp)."""
+    return Float32(_asm(1, T.f32, f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", "=f,f", x,
+                        side=True)[0])
+
+
+# -- scalar helpers ----------------------------------------------------------------------
+
+def masked(s: Any, tok: Any, vis: Any) -> Any:
+    """`s`, or -inf where token `tok` is not below the visible count `vis`."""
+    return Float32(_asm(1, T.f32, "{.reg .pred p; setp.lt.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p;}",
+                            "=f,f,r,r", s, Int32(tok), vis)[0])
+
+
+def safe(m: Any) -> Any:
+    """0 for -inf (nothing seen yet), else m."""
+    return Float32(_asm(1, T.f32, "{.reg .pred p; setp.eq.f32 p, $1, 0fFF800000;"
+                                          " selp.f32 $0, 0f00000000, $1, p;}", "=f,f", m)[0])
+
+
+def inv_or_zero(total: Any, factor: Any) -> Any:
+    """factor / total, or 0 where total is 0."""
+    return Float32(_asm(1, T.f32, "{.reg .pred p; .reg .f32 d; setp.eq.f32 p, $1, 0f00000000;"
+                                          " selp.f32 d, 0f3F800000, $1, p; div.rn.f32 d, $2, d;"
+                                          " selp.f32 $0, 0f00000000, d, p;}", "=f,f,f", total, factor)[0])
+
+
+def lse(m: Any, total: Any) -> Any:
+    """ln(sum e^s) from the base-2 running (max, sum); -inf where the sum is 0."""
+    return Float32(_asm(1, T.f32, "{.reg .pred p; .reg .f32 d; setp.eq.f32 p, $2, 0f00000000;"
+                                          " selp.f32 d, 0f3F800000, $2, p; lg2.approx.f32 d, d; add.f32 d, d, $1;"
+                                          " mul.f32 d, d, 0f3F317218; selp.f32 $0, 0fFF800000, d, p;}",
+                            "=f,f,f", m, total)[0])
+
+
+def pack_out(lo: Any, hi: Any, kind: str) -> Any:
+    """(lo, hi) as bf16x2 or f16x2 (`kind`), round to nearest."""
+    op = "cvt.rn.bf16x2.f32" if kind == "bf16" else "cvt.rn.f16x2.f32"
+    return Int32(_asm(1, T.i32, f"{op} $0, $2, $1;", "=r,f,f", lo, hi)[0])
+
+
+def min64(a: Any, b: Any) -> Any:
+    """Signed 64-bit minimum."""
+    return Int64(_asm(1, T.i64, "min.s64 $0, $1, $2;", "=l,l,l", Int64(a), Int64(b))[0])
+
+
+def max64(a: Any, b: Any) -> Any:
+    """Signed 64-bit maximum."""
+    return Int64(_asm(1, T.i64, "max.s64 $0, $1, $2;", "=l,l,l", Int64(a), Int64(b))[0])
+
+
+def popc(x: Any) -> Any:
+    """Set bits of a 32-bit word."""
+    return Int32(_asm(1, T.i32, "popc.b32 $0, $1;", "=r,r", x)[0])
+
+
+def ballot(pred: Any) -> Any:
+    """The warp's predicate bits."""
+    return Int32(_asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff;}",
+                          "=r,r", pred, side=True)[0])
+
+
+def any(pred: Any) -> Any:
+    """1 when `pred` is not 0 in any lane of the warp."""
+    return Int32(_asm(1, T.i32, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff;"
+                                        " selp.b32 $0, 1, 0, q;}", "=r,r", pred, side=True)[0])

@@ -1,0 +1,126 @@
+"""The `cute` backend (CuTe DSL NVFP4 kernel): its launch rules everywhere; its kernel, on a GPU of
+compute capability >= 9.0 with `nvidia-cutlass-dsl` installed, against the independent float64
+loop on poisoned hostile steps (every byte the contract says is never read is NaN), through the
+planner, and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from cases import assert_close_to_naive
+from hostile import make_hostile
+from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import strategies as st
+from test_fuzz import step_params
+
+import msa
+from msa.backends.cute import CuteBackend
+from msa.backends.cute.config import AUTO_MIN_PROGRAMS, CTAS_PER_SM, choose_splits, programs
+from msa.platform import Platform, package_installed
+from msa.problem import DecodeProblem, Geometry
+from msa.validation import check_decode_inputs
+from msa.workload import make_decode_step
+
+HAVE_DSL = package_installed("cutlass_dsl")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_kernel = pytest.mark.skipif(not (HAVE_DSL and ON_HOPPER),
+                                  reason="needs nvidia-cutlass-dsl and a GPU of compute capability >= 9.0")
+
+
+def _problem(batch: int, query_len: int = 1, geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
+    return DecodeProblem(geometry=geometry, batch_size=batch, query_len=query_len, kv_layout="nvfp4",
+                         q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
+                         max_blocks=0)
+
+
+def _hopper() -> Platform:
+    return Platform(device_type="cuda", capability=(9, 0), sm_count=132, packages=frozenset({"cutlass_dsl", "triton"}))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 33, 64, 256, 1000])
+@pytest.mark.parametrize("sms", [1, 132, 148])
+def test_splits_fill_the_slots_once_and_keep_warps_busy(batch: int, sms: int) -> None:
+    problem = _problem(batch)
+    splits = choose_splits(problem, sms)
+    g = problem.geometry
+    assert 1 <= splits <= g.topk * g.page_size // (4 * 16 * 4)
+    if splits > 1:  # more splits only while one wave of CTAs still fits
+        assert programs(problem) * splits <= CTAS_PER_SM * sms
+
+
+def test_measured_choices() -> None:
+    """The H200 (132 SMs) choices benchmarks/bench_cute.py measured best (or within 3%)."""
+    assert choose_splits(_problem(64), 132) == 1
+    assert choose_splits(_problem(256), 132) == 1
+    assert choose_splits(_problem(8), 132) == 8
+
+
+def test_auto_leaves_small_steps_to_triton_but_a_request_runs_them() -> None:
+    backend = CuteBackend()
+    small, large = _problem(1), _problem(8)
+    assert programs(large) >= AUTO_MIN_PROGRAMS > programs(small)
+    assert any("auto" in r for r in backend.problem_reasons(small, _hopper()))
+    assert not backend.problem_reasons(small, _hopper(), requested=True)
+    assert not backend.problem_reasons(large, _hopper())
+
+
+def test_refusals_name_what_is_missing() -> None:
+    backend = CuteBackend()
+    ampere = Platform(device_type="cuda", capability=(8, 0), sm_count=108, packages=frozenset({"triton"}))
+    reasons = " ".join(backend.platform_reasons(ampere))
+    assert "9.0" in reasons and "cutlass" in reasons
+    odd = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=24, topk=40)
+    text = " ".join(backend.problem_reasons(_problem(8, geometry=odd), _hopper(), requested=True))
+    assert "head" in text and "page size 24" in text and "top-k 40" in text
+    fp8 = DecodeProblem(geometry=msa.MINIMAX_M3, batch_size=8, query_len=1, kv_layout="fp8_e4m3",
+                        q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
+                        max_blocks=0)
+    assert backend.problem_reasons(fp8, _hopper(), requested=True)
+
+
+# -- the kernel ------------------------------------------------------------------------------
+
+GPU_FUZZ = settings(max_examples=int(os.environ.get("MSA_CUTE_FUZZ_EXAMPLES", "40")), deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.gpu
+@needs_kernel
+@GPU_FUZZ
+@given(params=step_params(max_batch=4, layouts=("nvfp4",), head_dim=128, groups=(1, 3, 8, 16, 20),
+                          pages=(16, 32, 64), max_topk=32, max_blocks=6),
+       seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2]),
+       lse_wanted=st.booleans())
+def test_cute_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int, splits: int | None,
+                                                          stages: int | None, lse_wanted: bool) -> None:
+    hostile = make_hostile(params, seed)  # on the CPU: the float64 loop reads it there
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted}")
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
+    q = kw["q"]
+    out = torch.full(q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    CuteBackend(num_splits=splits, stages=stages).run_step(problem, inputs, out, lse if lse_wanted else None)
+    if not lse_wanted:
+        lse = msa.sparse_decode(**hostile.kwargs, backend="reference", return_lse=True)[1]
+    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute [{hostile} splits={splits}]", atol=3e-3)
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("batch", [8, 64])
+def test_auto_picks_cute_for_nvfp4_and_matches_the_reference(batch: int) -> None:
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, context_len=4000, kv_cache_dtype="nvfp4",
+                                         device="cuda", seed=batch)
+    kw = step.kwargs()
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="nvfp4", device="cuda")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    assert plan.backend.name == "cute"
+    out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"],
+                v_scale=kw["v_scale"])
+    ref = msa.sparse_decode(**kw, backend="reference")
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=3e-3)

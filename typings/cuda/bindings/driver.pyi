@@ -1,0 +1,6 @@
+from typing import Any
+
+class CUstream:
+    def __init__(self, handle: int = ...) -> None: ...
+
+def __getattr__(name: str) -> Any: ...

@@ -1,0 +1,3 @@
+from typing import Any
+
+def make_fake_stream(*args: Any, **kwargs: Any) -> Any: ...
