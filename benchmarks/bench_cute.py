@@ -3,10 +3,11 @@
 
     PYTHONPATH=src:benchmarks python3 benchmarks/bench_cute.py --out DIR [--batches 1,64,256] [--splits 1,2,3,4]
 
-First every check case (short and long contexts, partly visible last pages, -1 padding, L = 1
-and L = 4, GQA groups 16 and 8, bf16 and fp8 q, with and without LSE), each on fresh data and
-compared with the reference (outputs poisoned with NaN first); then M3 TP1 at 64K contexts,
-L = 1: the Triton kernel's default and the cute kernel at its default and forced split counts,
+First every check case (NVFP4 and FP8 caches, short and long contexts, partly visible last
+pages, -1 padding, L = 1 and L = 4, GQA groups 16, 8 and 20, bf16, f16 and fp8 q, with and
+without LSE), each on fresh data and compared with the reference (outputs poisoned with NaN
+first); then M3 TP1 at 64K contexts, L = 1, per layout: the Triton kernel's default and the cute
+kernel at its default and forced split counts, stages and score chains,
 as L2-flushed CUDA-graph replays, with the copy bandwidth of the same run. Writes
 bench_cute.json and prints a table.
 """
@@ -37,6 +38,9 @@ TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 
 def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
     rows = []
     cases = [
+        dict(geometry=msa.MINIMAX_M3, batch=3, length=1, context=1000, q=torch.bfloat16, lse=False, layout="fp8_e4m3"),
+        dict(geometry=msa.MINIMAX_M3, batch=2, length=4, context=3000, q=torch.float8_e4m3fn, lse=True,
+             layout="fp8_e4m3"),
         dict(geometry=msa.MINIMAX_M3, batch=3, length=1, context=1000, q=torch.bfloat16, lse=False),
         dict(geometry=msa.MINIMAX_M3, batch=5, length=1, context=20000, q=torch.bfloat16, lse=True),
         dict(geometry=msa.MINIMAX_M3, batch=2, length=4, context=3000, q=torch.bfloat16, lse=True),
@@ -48,7 +52,8 @@ def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
     ]
     for i, c in enumerate(cases):
         step = make_decode_step(c["geometry"], batch_size=c["batch"], decode_query_len=c["length"],
-                                context_len=c["context"], kv_cache_dtype="nvfp4", q_dtype=c["q"], device="cuda",
+                                context_len=c["context"], kv_cache_dtype=c.get("layout", "nvfp4"), q_dtype=c["q"],
+                                device="cuda",
                                 seed=int(torch.randint(2**31, (), generator=gen, device="cuda").item()))
         kw = step.kwargs()
         # -1 padding in a few lists
@@ -79,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--layouts", default="nvfp4,fp8_e4m3")
     parser.add_argument("--splits", default="")
     parser.add_argument("--stages", default="")
     parser.add_argument("--chains", default="")
@@ -92,32 +98,35 @@ def main() -> None:
     timer = Timer(reps=args.reps)
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
-    step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype="nvfp4",
-                            device="cuda", seed=0)
     rows: list[dict[str, Any]] = []
-    for batch in batches:
-        n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
-        variants: list[tuple[str, Any]] = [("triton", TritonBackend()), ("cute", CuteBackend())]
-        variants += [(f"cute splits={s}", CuteBackend(num_splits=int(s))) for s in args.splits.split(",") if s]
-        variants += [(f"cute stages={st}", CuteBackend(stages=int(st))) for st in args.stages.split(",") if st]
-        variants += [(f"cute chains={c}", CuteBackend(qk_chains=int(c))) for c in args.chains.split(",") if c]
-        for name, backend in variants:
-            try:
-                plan, err, us = check_and_time(backend, problem, inputs, tables, out, ref, timer)
-            except Exception as exc:
-                print(f"B={batch} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            splits = plan.config.num_splits
-            rows.append(dict(batch=batch, variant=name, us=us, frac_copy=n_bytes / us / 1e3 / copy, err=err,
-                             splits=splits))
-            print(f"B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us {n_bytes / us / 1e3 / copy:.2f} "
-                  f"err {err:.1e}", flush=True)
+    for layout in args.layouts.split(","):
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
+                                device="cuda", seed=0)
+        for batch in batches:
+            n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
+            variants: list[tuple[str, Any]] = [("triton", TritonBackend()), ("cute", CuteBackend())]
+            variants += [(f"cute splits={s}", CuteBackend(num_splits=int(s))) for s in args.splits.split(",") if s]
+            variants += [(f"cute stages={st}", CuteBackend(stages=int(st))) for st in args.stages.split(",") if st]
+            variants += [(f"cute chains={c}", CuteBackend(qk_chains=int(c))) for c in args.chains.split(",") if c]
+            for name, backend in variants:
+                try:
+                    plan, err, us = check_and_time(backend, problem, inputs, tables, out, ref, timer)
+                except Exception as exc:
+                    print(f"{layout} B={batch} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    continue
+                splits = plan.config.num_splits
+                rows.append(dict(layout=layout, batch=batch, variant=name, us=us,
+                                 frac_copy=n_bytes / us / 1e3 / copy, err=err, splits=splits))
+                print(f"{layout:8s} B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us "
+                      f"{n_bytes / us / 1e3 / copy:.2f} err {err:.1e}", flush=True)
+        del step
+        torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_cute.json").write_text(json.dumps(dict(copy_gbps=copy, checks=checks, rows=rows), indent=1))
     print(f"copy bandwidth {copy:.0f} GB/s; checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")
-    print(format_table(["B", "variant", "splits", "us", "x copy", "err"],
-                       [[r["batch"], r["variant"], r["splits"], round(r["us"], 1), round(r["frac_copy"], 2),
-                         f"{r['err']:.1e}"] for r in rows]))
+    print(format_table(["layout", "B", "variant", "splits", "us", "x copy", "err"],
+                       [[r["layout"], r["batch"], r["variant"], r["splits"], round(r["us"], 1),
+                         round(r["frac_copy"], 2), f"{r['err']:.1e}"] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -75,10 +75,10 @@ def test_refusals_name_what_is_missing() -> None:
     odd = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=24, topk=40)
     text = " ".join(backend.problem_reasons(_problem(8, geometry=odd), _hopper(), requested=True))
     assert "head" in text and "page size 24" in text and "top-k 40" in text
-    fp8 = DecodeProblem(geometry=msa.MINIMAX_M3, batch_size=8, query_len=1, kv_layout="fp8_e4m3",
+    bf16 = DecodeProblem(geometry=msa.MINIMAX_M3, batch_size=8, query_len=1, kv_layout="bfloat16",
                         q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
                         max_blocks=0)
-    assert backend.problem_reasons(fp8, _hopper(), requested=True)
+    assert backend.problem_reasons(bf16, _hopper(), requested=True)
 
 
 # -- the kernel ------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ GPU_FUZZ = settings(max_examples=int(os.environ.get("MSA_CUTE_FUZZ_EXAMPLES", "4
 @pytest.mark.gpu
 @needs_kernel
 @GPU_FUZZ
-@given(params=step_params(max_batch=4, layouts=("nvfp4",), head_dim=128, groups=(1, 3, 8, 16, 20),
+@given(params=step_params(max_batch=4, layouts=("nvfp4", "fp8_e4m3"), head_dim=128, groups=(1, 3, 8, 16, 20),
                           pages=(16, 32, 64), max_topk=32, max_blocks=6),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2]),
        lse_wanted=st.booleans())

@@ -23,8 +23,10 @@ from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     DEFAULT_QK_CHAINS,
     DEFAULT_STAGES,
+    KINDS,
     CuteConfig,
     choose_splits,
+    max_stages,
     programs,
 )
 from msa.planning import RowMetadata, StepTables
@@ -54,7 +56,7 @@ class CuteBackend(Backend[CutePlan]):
         device_types=frozenset({"cuda"}),
         min_capability=(9, 0),
         packages=("cutlass_dsl",),
-        kv_layouts=frozenset({"nvfp4"}),
+        kv_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
         auto_layouts=frozenset({"nvfp4"}),
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         head_dims=frozenset({128}),
@@ -82,7 +84,8 @@ class CuteBackend(Backend[CutePlan]):
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> CuteConfig:
         splits = self.num_splits or choose_splits(problem, detect(device).sm_count)
-        return CuteConfig(num_splits=splits, stages=self.stages or DEFAULT_STAGES,
+        stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
+        return CuteConfig(num_splits=splits, stages=stages,
                           qk_chains=self.qk_chains or DEFAULT_QK_CHAINS)
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> CutePlan:

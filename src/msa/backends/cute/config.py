@@ -8,13 +8,20 @@ import attrs
 from msa.problem import DecodeProblem
 
 __all__ = ["CuteConfig", "choose_splits", "programs", "CTAS_PER_SM", "WARPS", "STEP", "DEFAULT_STAGES",
-           "SLOT", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS"]
+           "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "max_stages", "DEFAULT_QK_CHAINS"]
 
-#: Warps per CTA, tokens per warp step, steps each warp has in flight, bytes of a thread's stage slot.
+#: Warps per CTA, tokens per warp step, steps each warp has in flight.
 WARPS = 4
 STEP = 16
 DEFAULT_STAGES = 4
-SLOT = 80
+#: The kernel's cache kind per layout.
+KINDS = {"nvfp4": "nvfp4", "fp8_e4m3": "fp8"}
+#: Bytes of a thread's stage slot per cache kind (its share of a step's keys, values and scales),
+#: padded so that 8 consecutive threads' 16-byte accesses hit distinct banks (slot / 4 = 4 mod 8
+#: words: NVFP4 76 -> 80, fp8 128 -> 144; a 128-byte fp8 slot was an 8-way conflict).
+SLOTS = {"nvfp4": 80, "fp8": 144}
+#: Shared memory a CTA may use without opting in (the stages must fit beside the rest).
+SMEM_BUDGET = 48 * 1024 - 2048
 #: Independent accumulator chains of a score tile's 8 mma k-steps.
 DEFAULT_QK_CHAINS = 1
 #: CTAs of the kernel that fit on one SM (162 registers x 128 threads on sm_90).
@@ -39,6 +46,11 @@ class CuteConfig:
     num_splits: int
     stages: int = DEFAULT_STAGES
     qk_chains: int = DEFAULT_QK_CHAINS
+
+
+def max_stages(kind: str) -> int:
+    """The most stages whose slots fit the shared-memory budget (fp8: 2, nvfp4: 4)."""
+    return max(1, SMEM_BUDGET // (WARPS * 32 * SLOTS[kind]))
 
 
 def programs(problem: DecodeProblem) -> int:

@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import DEFAULT_QK_CHAINS, DEFAULT_STAGES, SLOT, STEP, WARPS
+from msa.backends.cute.config import DEFAULT_QK_CHAINS, DEFAULT_STAGES, SLOTS, STEP, WARPS
 
 __all__ = ["KernelSpec", "build"]
 
@@ -46,6 +46,7 @@ class KernelSpec:
     """The compile-time constants of one kernel (heads, GQA group and top-k are runtime values).
 
     Attributes:
+        kind: the cache: "nvfp4" (head slots) or "fp8" (E4M3 keys and values, per-tensor scales).
         page_size: tokens per page (a multiple of 16).
         q_kind / out_kind: "bf16", "f16" or "e4m3" (q) and "bf16" / "f16" (the output).
         final: one split: the kernel writes the normalised output (else workspace partials).
@@ -55,6 +56,7 @@ class KernelSpec:
         qk_chains: independent accumulator chains of a score tile's 8 mma k-steps (1, 2 or 4).
     """
 
+    kind: str
     page_size: int
     q_kind: str
     out_kind: str
@@ -79,28 +81,86 @@ def _step_vis(u: Any, n: Any, sm_page: Any, sm_jid: Any, P: int) -> tuple[Any, A
     return Int64(sm_page[e]), Int32(vis)
 
 
-def _issue_step(slot: Any, u: Any, active: Any, n: Any, sm_page: Any, sm_jid: Any, cache: Any, k_slot0: Any,
-                v_offset: Any, stride_cp: Any, g: Any, t4: Any, P: int, CB: int, GROUPS: int) -> None:
+def _issue_step(slot: Any, u: Any, active: Any, n: Any, sm_page: Any, sm_jid: Any, k_head: Any, v_head: Any,
+                stride_kp: Any, stride_kt: Any, stride_vp: Any, stride_vt: Any, g: Any, t4: Any, P: int,
+                kind: str) -> None:
     """Start copying step `u`'s bytes (lane (g, t4)'s share) into the thread's stage `slot` (a
-    shared address): key codes of two tokens (bytes 0-31), value codes of four (32-63), the two
-    keys' scale words (64-71: the 4-byte word holding the lane's two block scales) and the value
-    scale quad (72-75). Tokens past the row's length, and every token when `active` is 0, are
-    not read (zeros land instead)."""
+    shared address). Tokens past the row's length, and every token when `active` is 0, are not
+    read (zeros land instead).
+
+    nvfp4 (80-byte slot): key codes of two tokens (bytes 0-31), value codes of four (32-63), the
+    two keys' scale words (64-71: the 4-byte word holding the lane's two block scales) and the
+    value scale quad (72-75). fp8 (128-byte slot): the two keys' 32 bytes (0-63), the four
+    values' 16 bytes (64-127)."""
     page, vis = _step_vis(u, n, sm_page, sm_jid, P)
     vis = vis * active
     tok0 = (u % (P // STEP)) * STEP
-    k_slot = k_slot0 + page * stride_cp
-    v_slot = k_slot + v_offset
+    k_page = k_head + page * stride_kp
+    v_page = v_head + page * stride_vp
     for nb in range(2):
         tk = 4 * (g // 2) + 2 * nb + g % 2
         pk = _flag(tk < vis)
-        ptx.cp_async(slot + 16 * nb, k_slot + (tok0 + tk) * CB + 16 * t4, cache, pk, 16)
-        ptx.cp_async(slot + 64 + 4 * nb, k_slot + P * CB + (tok0 + tk) * GROUPS + 4 * (t4 // 2), cache, pk, 4)
+        if kind == "nvfp4":
+            ptx.cp_async(slot + 16 * nb, k_page + (tok0 + tk) * 64 + 16 * t4, k_head, pk, 16)
+            ptx.cp_async(slot + 64 + 4 * nb, k_page + P * 64 + (tok0 + tk) * 8 + 4 * (t4 // 2), k_head, pk, 4)
+        else:
+            for half in range(2):
+                ptx.cp_async(slot + 32 * nb + 16 * half, k_page + (tok0 + tk) * stride_kt + 32 * t4 + 16 * half,
+                             k_head, pk, 16)
     for i in range(4):
         tv = 4 * t4 + i
-        ptx.cp_async(slot + 32 + 8 * i, v_slot + (tok0 + tv) * CB + 8 * g, cache, _flag(tv < vis), 8)
-    ptx.cp_async(slot + 72, v_slot + P * CB + (tok0 // 4 + t4) * (4 * GROUPS) + 4 * g, cache,
-                 _flag(4 * t4 < vis), 4)
+        pv = _flag(tv < vis)
+        if kind == "nvfp4":
+            ptx.cp_async(slot + 32 + 8 * i, v_page + (tok0 + tv) * 64 + 8 * g, k_head, pv, 8)
+        else:
+            ptx.cp_async(slot + 64 + 16 * i, v_page + (tok0 + tv) * stride_vt + 16 * g, k_head, pv, 16)
+    if kind == "nvfp4":
+        ptx.cp_async(slot + 72, v_page + P * 64 + (tok0 // 4 + t4) * 32 + 4 * g, k_head, _flag(4 * t4 < vis), 4)
+
+
+def _key_operands(slot: Any, t4: Any, kind: str) -> list[list[tuple[Any, Any]]]:
+    """The two key tokens' B-operand registers, [n-block][k-step] -> (elements 0-1, 2-3)."""
+    out = []
+    for nb in range(2):
+        kb = []
+        if kind == "nvfp4":
+            words = ptx.lds(slot + 16 * nb, 4)
+            sc = ptx.e4m3x2_scale(ptx.lds(slot + 64 + 4 * nb, 1)[0] >> (16 * (t4 % 2)))
+            reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
+            for w in range(4):
+                regs = ptx.nvfp4_k_word(words[w], reps[w // 2])
+                kb.append((regs[0], regs[1]))
+                kb.append((regs[2], regs[3]))
+        else:
+            words = ptx.lds(slot + 32 * nb, 4) + ptx.lds(slot + 32 * nb + 16, 4)
+            for w in range(8):
+                pair = ptx.e4m3x4_to_f16x2(words[w])
+                kb.append((pair[0], pair[1]))
+        out.append(kb)
+    return out
+
+
+def _value_operands(slot: Any, vis: Any, t4: Any, kind: str) -> list[tuple[Any, Any]]:
+    """The four value tokens' B-operand registers of the 16 n-blocks: n-block j is element
+    16 g + j; each (tokens 4 t4, 4 t4 + 1), (tokens 4 t4 + 2, 4 t4 + 3)."""
+    vb: list[tuple[Any, Any]] = [(None, None)] * 16
+    if kind == "nvfp4":
+        words = ptx.lds(slot + 32, 4) + ptx.lds(slot + 48, 4)  # token i, word w: 2 i + w
+        sv = ptx.keep_low_bytes(ptx.lds(slot + 72, 1)[0], vis - 4 * t4)
+        vscale = (ptx.e4m3x2_scale(sv), ptx.e4m3x2_scale(sv >> 16))
+        for wv in range(2):
+            pair0 = ptx.nvfp4_v_words(words[wv], words[2 + wv], vscale[0])
+            pair1 = ptx.nvfp4_v_words(words[4 + wv], words[6 + wv], vscale[1])
+            for e in range(8):
+                vb[8 * wv + (2 * e if e < 4 else 2 * (e - 4) + 1)] = (pair0[e], pair1[e])
+    else:
+        words = [ptx.lds(slot + 64 + 16 * i, 4) for i in range(4)]  # token i: 16 elements
+        for w in range(4):
+            pair0 = ptx.e4m3_v_words(words[0][w], words[1][w])
+            pair1 = ptx.e4m3_v_words(words[2][w], words[3][w])
+            for e in range(4):
+                vb[4 * w + e] = (pair0[e], pair1[e])
+    return vb
 
 
 def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
@@ -110,8 +170,8 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
     if spec.head_dim != 128:
         raise ValueError("the CuTe DSL kernel is written for head_dim 128")
     D = spec.head_dim
-    CB = D // 2  # code bytes per token
-    GROUPS = D // 16  # block scales per token
+    KIND = spec.kind
+    SLOT = SLOTS[KIND]
     P = spec.page_size
     SPP = P // STEP  # steps per page
     Q_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}[spec.q_kind]
@@ -124,11 +184,12 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
     final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
 
     @cute.kernel
-    def kernel(q: Int64, cache: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
+    def kernel(q: Int64, k_base: Int64, v_base: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
                out: Int64, lse: Int64, part_o: Int64, part_ml: Int64,
                sm_p: Int64, qs_p: Int64, ks_p: Int64, vs_p: Int64,
                qk_scale: Float32, v_scale: Float32, num_pages: Int32, max_blocks: Int32, num_splits: Int32,
-               v_offset: Int64, stride_qr: Int64, stride_qh: Int64, stride_cp: Int64, stride_ch: Int64,
+               stride_qr: Int64, stride_qh: Int64, stride_kp: Int64, stride_kh: Int64, stride_kt: Int64,
+               stride_vp: Int64, stride_vh: Int64, stride_vt: Int64,
                stride_th: Int64, stride_tr: Int64, stride_tk: Int64, stride_bt: Int64,
                stride_or: Int64, stride_oh: Int64, stride_lr: Int64, stride_lh: Int64,
                num_kv_heads: Int32, group: Int32, num_topk: Int32) -> None:
@@ -149,7 +210,7 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
         sm_count = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         sm_m = smem.allocate_tensor(Float32, cute.make_layout(WARPS * 16), 16)
         sm_l = smem.allocate_tensor(Float32, cute.make_layout(WARPS * 16), 16)
-        # the stages (thread-private 80-byte slots) while walking, the warps' accumulators after
+        # the stages (thread-private slots) while walking, the warps' accumulators after
         sm_acc = smem.allocate_tensor(Float32, cute.make_layout(BUFFER_FLOATS), 16)
         stage0 = sm_acc.iterator.toint() + tid * SLOT
 
@@ -201,7 +262,8 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
         end = ptx.min64(start + per, total)
         first = start + Int64(warp)
         iters = Int32(ptx.max64((end - first + (WARPS - 1)) // WARPS, 0))
-        k_slot0 = cache + Int64(h) * stride_ch
+        k_head = k_base + Int64(h) * stride_kh
+        v_head = v_base + Int64(h) * stride_vh
 
         state = cute.make_rmem_tensor(cute.make_layout(4), Float32)  # m (rows g, g+8), l (same)
         state[0] = Float32(_NEG_INF)
@@ -214,30 +276,22 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
 
         for i in cutlass.range_constexpr(STAGES - 1):
             u0 = first + i * WARPS
-            _issue_step(stage0 + i * STAGE_BYTES, u0, _flag(u0 < end), n, sm_page, sm_jid, cache, k_slot0, v_offset,
-                        stride_cp, g, t4, P, CB, GROUPS)
+            _issue_step(stage0 + i * STAGE_BYTES, u0, _flag(u0 < end), n, sm_page, sm_jid, k_head, v_head,
+                        stride_kp, stride_kt, stride_vp, stride_vt, g, t4, P, KIND)
             ptx.cp_async_commit()
         for it in cutlass.range(iters, unroll=1):
             ahead = first + Int64(it + STAGES - 1) * WARPS
             _issue_step(stage0 + ((it + STAGES - 1) % STAGES) * STAGE_BYTES, ahead, _flag(ahead < end), n, sm_page,
-                        sm_jid, cache, k_slot0, v_offset, stride_cp, g, t4, P, CB, GROUPS)
+                        sm_jid, k_head, v_head, stride_kp, stride_kt, stride_vp, stride_vt, g, t4, P, KIND)
             ptx.cp_async_commit()
             ptx.cp_async_wait(STAGES - 1)
             slot = stage0 + (it % STAGES) * STAGE_BYTES
             _, vis = _step_vis(first + Int64(it) * WARPS, n, sm_page, sm_jid, P)
-            cur = ptx.lds(slot, 4) + ptx.lds(slot + 16, 4) + ptx.lds(slot + 32, 4) + ptx.lds(slot + 48, 4)
-            kscale = ptx.lds(slot + 64, 2)
-            sv = ptx.keep_low_bytes(ptx.lds(slot + 72, 1)[0], vis - 4 * t4)
+            keys = _key_operands(slot, t4, KIND)
             # scores: 2 n-blocks of 8 tokens, 8 k-steps of 16 elements
             s = []
             for nb in cutlass.range_constexpr(2):
-                sc = ptx.e4m3x2_scale(kscale[nb] >> (16 * (t4 % 2)))
-                reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
-                kb = []
-                for w in cutlass.range_constexpr(4):
-                    regs = ptx.nvfp4_k_word(cur[4 * nb + w], reps[w // 2])
-                    kb.append((regs[0], regs[1]))
-                    kb.append((regs[2], regs[3]))
+                kb = keys[nb]
                 # CHAINS independent accumulations over the k-steps (shorter dependent mma chains)
                 chains = [[Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)] for _ in range(CHAINS)]
                 for ks in cutlass.range_constexpr(8):
@@ -278,16 +332,11 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
             pa = [ptx.pack_f16x2(p[0], p[1]), ptx.pack_f16x2(p[2], p[3]), ptx.pack_f16x2(p[4], p[5]),
                   ptx.pack_f16x2(p[6], p[7])]
             # values: element 16 g + j of tokens 4 t4 .. 4 t4 + 3 feeds n-block j
-            vscale = (ptx.e4m3x2_scale(sv), ptx.e4m3x2_scale(sv >> 16))
-            for wv in cutlass.range_constexpr(2):
-                pair0 = ptx.nvfp4_v_words(cur[8 + wv], cur[10 + wv], vscale[0])
-                pair1 = ptx.nvfp4_v_words(cur[12 + wv], cur[14 + wv], vscale[1])
-                for e in cutlass.range_constexpr(8):
-                    j = 8 * wv + (2 * e if e < 4 else 2 * (e - 4) + 1)
-                    c = ptx.mma_f16(pa, [pair0[e], pair1[e]], [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
-                                                                acc[4 * j + 3]])
-                    for ci in cutlass.range_constexpr(4):
-                        acc[4 * j + ci] = c[ci]
+            vb = _value_operands(slot, vis, t4, KIND)
+            for j in cutlass.range_constexpr(16):
+                c = ptx.mma_f16(pa, [vb[j][0], vb[j][1]], [acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]])
+                for ci in cutlass.range_constexpr(4):
+                    acc[4 * j + ci] = c[ci]
 
         ptx.cp_async_wait(0)
         cute.arch.sync_threads()
@@ -345,19 +394,19 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
             ptx.st_f32(part_ml + prow * 8 + 4, l_all, ok0)
 
     @cute.jit
-    def host(q: Int64, cache: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
-             out: Int64, lse: Int64, part_o: Int64, part_ml: Int64,
-               sm_p: Int64, qs_p: Int64, ks_p: Int64, vs_p: Int64,
-             qk_scale: Float32, v_scale: Float32, num_pages: Int32, max_blocks: Int32, num_splits: Int32,
-             v_offset: Int64, stride_qr: Int64, stride_qh: Int64, stride_cp: Int64, stride_ch: Int64,
-             stride_th: Int64, stride_tr: Int64, stride_tk: Int64, stride_bt: Int64,
-             stride_or: Int64, stride_oh: Int64, stride_lr: Int64, stride_lh: Int64,
-             num_kv_heads: Int32, group: Int32, num_topk: Int32, num_rows: Int32, stream: cuda.CUstream) -> None:
-        kernel(q, cache, topk, table, row_request, q_pos, out, lse, part_o, part_ml, sm_p, qs_p, ks_p, vs_p,
-               qk_scale, v_scale, num_pages, max_blocks, num_splits, v_offset, stride_qr, stride_qh,
-               stride_cp, stride_ch, stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh,
-               stride_lr, stride_lh, num_kv_heads, group, num_topk).launch(
-                   grid=[num_rows * num_kv_heads * ((group + 15) // 16), num_splits, 1], block=[WARPS * 32, 1, 1],
-                                            stream=stream)
+    def host(q: Int64, k_base: Int64, v_base: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
+             out: Int64, lse: Int64, part_o: Int64, part_ml: Int64, sm_p: Int64, qs_p: Int64, ks_p: Int64,
+             vs_p: Int64, qk_scale: Float32, v_scale: Float32, num_pages: Int32, max_blocks: Int32,
+             num_splits: Int32, stride_qr: Int64, stride_qh: Int64, stride_kp: Int64, stride_kh: Int64,
+             stride_kt: Int64, stride_vp: Int64, stride_vh: Int64, stride_vt: Int64, stride_th: Int64,
+             stride_tr: Int64, stride_tk: Int64, stride_bt: Int64, stride_or: Int64, stride_oh: Int64,
+             stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
+             num_rows: Int32, stream: cuda.CUstream) -> None:
+        grid = [num_rows * num_kv_heads * ((group + 15) // 16), num_splits, 1]
+        kernel(q, k_base, v_base, topk, table, row_request, q_pos, out, lse, part_o, part_ml, sm_p, qs_p, ks_p,
+               vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh, stride_kp,
+               stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_th, stride_tr, stride_tk, stride_bt,
+               stride_or, stride_oh, stride_lr, stride_lh, num_kv_heads, group, num_topk,
+               ).launch(grid=grid, block=[WARPS * 32, 1, 1], stream=stream)
 
     return host

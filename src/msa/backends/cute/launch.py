@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from msa.backends.cute.config import CuteConfig
+from msa.backends.cute.config import KINDS, CuteConfig
 from msa.backends.triton.kernels import LOG2E, merge_kernel
 from msa.errors import MSAInputError
 from msa.planning import RowMetadata
@@ -24,6 +24,7 @@ __all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_f
 
 _Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}
 _OUT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
 _lock = threading.Lock()
 _compiled: dict[Any, Any] = {}
 
@@ -44,7 +45,8 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
     from msa.backends.cute.kernel import KernelSpec
 
     g = problem.geometry
-    return KernelSpec(g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
+    return KernelSpec(KINDS[problem.kv_layout], g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
+                      config.num_splits == 1,
                       with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains)
 
 
@@ -66,7 +68,7 @@ def compiled_kernel(spec: Any) -> Any:
 
             from msa.backends.cute.kernel import build
 
-            args = [Int64(0)] * 14 + [Float32(1.0), Float32(1.0)] + [Int32(1)] * 3 + [Int64(0)] * 13 + [Int32(1)] * 4
+            args = [Int64(0)] * 15 + [Float32(1.0), Float32(1.0)] + [Int32(1)] * 3 + [Int64(0)] * 16 + [Int32(1)] * 4
             fn = cute.compile(build(spec), *args, make_fake_stream())
             _compiled[spec] = fn
     return fn
@@ -101,26 +103,28 @@ def launch_cute(
     if problem.num_rows == 0:
         return
     g = problem.geometry
-    q, topk, table, cache = inputs.q, inputs.topk_indices, inputs.block_table, inputs.kv_cache
-    assert isinstance(cache, torch.Tensor)
+    q, topk, table = inputs.q, inputs.topk_indices, inputs.block_table
+    kv = problem.layout.kv_operands(inputs.kv_cache)
+    k_base, v_base = kv.k.data_ptr(), kv.v.data_ptr() + kv.v_offset * kv.v.element_size()
     for name, tensor, align in (("q", q, 4), ("out", out, 4)):
         if tensor.data_ptr() % align or any(s * tensor.element_size() % align for s in tensor.stride()[:-1]):
             raise MSAInputError(name, f"rows aligned to {align} bytes for the cute backend (the triton backend "
                                 "takes any)", f"address {tensor.data_ptr():#x}, strides {tensor.stride()}")
-    kv = problem.layout.kv_operands(cache)
-    (stride_cp, stride_ch, _), _ = kv.k_strides, kv.v_strides
+    kept = 2 if problem.kv_layout == "nvfp4" else 3  # NVFP4 rows inside a head slot are the layout's own
+    if k_base % 16 or v_base % 16 or any(s % 16 for s in (*kv.k_strides[:kept], *kv.v_strides[:kept])):
+        raise MSAInputError("kv_cache", "16-byte aligned pages, heads and tokens for the cute backend (the triton "
+                            "backend takes any)", f"strides {kv.k_strides} / {kv.v_strides}")
     qk, vs, scales = _scales(inputs, workspace.one)
-    spec = spec_for(problem, config, out.dtype, lse is not None)
-    fn = compiled_kernel(spec)
+    fn = compiled_kernel(spec_for(problem, config, out.dtype, lse is not None))
     lse_arg = lse if lse is not None else out
-    stream = _stream()
-    fn(q.data_ptr(), cache.data_ptr(), topk.data_ptr(), table.data_ptr(), rows.row_request.data_ptr(),
+    (stride_kp, stride_kh, stride_kt), (stride_vp, stride_vh, stride_vt) = kv.k_strides, kv.v_strides
+    fn(q.data_ptr(), k_base, v_base, topk.data_ptr(), table.data_ptr(), rows.row_request.data_ptr(),
        rows.q_pos.data_ptr(), out.data_ptr(), lse_arg.data_ptr(), workspace.partial_out.data_ptr(),
-       workspace.partial_ml.data_ptr(), *(t.data_ptr() for t in scales), qk, vs, cache.shape[0], table.shape[1],
-       config.num_splits, kv.v_offset, q.stride(0), q.stride(1), stride_cp, stride_ch,
-       topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
+       workspace.partial_ml.data_ptr(), *(t.data_ptr() for t in scales), qk, vs, kv.k.shape[0], table.shape[1],
+       config.num_splits, q.stride(0), q.stride(1), stride_kp, stride_kh, stride_kt, stride_vp, stride_vh,
+       stride_vt, topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
        lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
-       problem.num_rows, stream)
+       problem.num_rows, _stream())
     if config.num_splits > 1:
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,

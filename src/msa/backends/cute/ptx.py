@@ -15,7 +15,7 @@ from cutlass.cutlass_dsl import T
 
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_v4", "ld_v2", "ld_b32", "ld_u16", "ld_b32_plain",
-    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "e4m3x2_scale",
+    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
     "any",
@@ -170,6 +170,14 @@ def nvfp4_v_words(word_a: Any, word_b: Any, scale: Any) -> list[Int32]:
     return _i32(8, "{.reg .b32 t, la, ha, lb, hb, p, f0, f1; .reg .b16 x0, x1; " + body_a + " " + body_b
                    + "".join(cvt) + "}",
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", word_a, word_b, scale)
+
+
+def e4m3_v_words(word_a: Any, word_b: Any) -> list[Int32]:
+    """Four E4M3 bytes (elements 0..3) of tokens a and b -> four f16x2 registers, one per
+    element, each (token a, token b)."""
+    return _i32(4, "{.reg .b32 p, q; .reg .b16 x0, x1, y0, y1; prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362;"
+                   " mov.b32 {x0, x1}, p; mov.b32 {y0, y1}, q; cvt.rn.f16x2.e4m3x2 $0, x0; cvt.rn.f16x2.e4m3x2 $1, x1;"
+                   " cvt.rn.f16x2.e4m3x2 $2, y0; cvt.rn.f16x2.e4m3x2 $3, y1;}", "=r,=r,=r,=r,r,r", word_a, word_b)
 
 
 def e4m3x2_scale(bits: Any) -> Int32:
