@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,48 +36,57 @@ from msa.workload import make_decode_step
 TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 operands, fp32 sums)
 
 
+@dataclass(frozen=True)
+class CheckCase:
+    geometry: Geometry
+    batch: int
+    length: int
+    context: int
+    q: torch.dtype
+    lse: bool
+    layout: str = "nvfp4"
+
+
+M3 = msa.MINIMAX_M3
+CASES = (
+    CheckCase(M3, 3, 1, 1000, torch.bfloat16, False, "fp8_e4m3"),
+    CheckCase(M3, 2, 4, 3000, torch.float8_e4m3fn, True, "fp8_e4m3"),
+    CheckCase(M3, 3, 1, 1000, torch.bfloat16, False),
+    CheckCase(M3, 5, 1, 20000, torch.bfloat16, True),
+    CheckCase(M3, 2, 4, 3000, torch.bfloat16, True),
+    CheckCase(M3, 4, 1, 300, torch.float8_e4m3fn, False),
+    CheckCase(Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, topk=8), 3, 2, 700,
+              torch.float16, True),
+    CheckCase(Geometry(num_q_heads=40, num_kv_heads=2, head_dim=128, page_size=128, topk=20), 2, 1, 5000,
+              torch.bfloat16, True),
+)
+
+
 def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
     rows = []
-    cases = [
-        dict(geometry=msa.MINIMAX_M3, batch=3, length=1, context=1000, q=torch.bfloat16, lse=False, layout="fp8_e4m3"),
-        dict(geometry=msa.MINIMAX_M3, batch=2, length=4, context=3000, q=torch.float8_e4m3fn, lse=True,
-             layout="fp8_e4m3"),
-        dict(geometry=msa.MINIMAX_M3, batch=3, length=1, context=1000, q=torch.bfloat16, lse=False),
-        dict(geometry=msa.MINIMAX_M3, batch=5, length=1, context=20000, q=torch.bfloat16, lse=True),
-        dict(geometry=msa.MINIMAX_M3, batch=2, length=4, context=3000, q=torch.bfloat16, lse=True),
-        dict(geometry=msa.MINIMAX_M3, batch=4, length=1, context=300, q=torch.float8_e4m3fn, lse=False),
-        dict(geometry=Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, topk=8),
-             batch=3, length=2, context=700, q=torch.float16, lse=True),
-        dict(geometry=Geometry(num_q_heads=40, num_kv_heads=2, head_dim=128, page_size=128, topk=20),
-             batch=2, length=1, context=5000, q=torch.bfloat16, lse=True),
-    ]
-    for i, c in enumerate(cases):
-        step = make_decode_step(c["geometry"], batch_size=c["batch"], decode_query_len=c["length"],
-                                context_len=c["context"], kv_cache_dtype=c.get("layout", "nvfp4"), q_dtype=c["q"],
-                                device="cuda",
+    for i, c in enumerate(CASES):
+        step = make_decode_step(c.geometry, batch_size=c.batch, decode_query_len=c.length, context_len=c.context,
+                                kv_cache_dtype=c.layout, q_dtype=c.q, device="cuda",
                                 seed=int(torch.randint(2**31, (), generator=gen, device="cuda").item()))
         kw = step.kwargs()
-        # -1 padding in a few lists
         topk = kw["topk_indices"].clone()
-        topk[:, ::3, -2:] = -1
+        topk[:, ::3, -2:] = -1  # -1 padding in a few lists
         kw["topk_indices"] = topk
-        ref = msa.sparse_decode(**kw, backend="reference", return_lse=c["lse"])
+        ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
         problem, inputs = check_decode_inputs(**kw)
         for splits in (None, 1, 3):
-            r = ref[0] if c["lse"] else ref
-            o = torch.full_like(r, float("nan"))
-            lse = torch.full(o.shape[:2], float("nan"), device="cuda") if c["lse"] else None
+            o = torch.full_like(ref_out, float("nan"))
+            lse = torch.full(o.shape[:2], float("nan"), device="cuda") if c.lse else None
             CuteBackend(num_splits=splits).run_step(problem, inputs, o, lse)
-            err = (o.float() - r.float()).abs().max().item()
-            lerr = lse_inf_ok = 0.0
+            err = (o.float() - ref_out.float()).abs().max().item()
+            lerr, lse_inf_ok = 0.0, True
             if lse is not None:
-                lerr = (lse - ref[1]).abs().nan_to_num(0.0).max().item()
-                lse_inf_ok = bool(((lse == float("-inf")) == (ref[1] == float("-inf"))).all())
-            else:
-                lse_inf_ok = True
+                lerr = (lse - ref_lse).abs().nan_to_num(0.0).max().item()
+                lse_inf_ok = bool(((lse == float("-inf")) == (ref_lse == float("-inf"))).all())
             ok = err < TOLERANCE and lerr < TOLERANCE and lse_inf_ok and not o.isnan().any().item()
-            rows.append(dict(case=i, splits=splits, err=err, lse_err=lerr, ok=ok))
-            print(f"check case {i} splits={splits}: err {err:.2e} lse {lerr:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            rows.append(dict(case=i, layout=c.layout, splits=splits, err=err, lse_err=lerr, ok=ok))
+            print(f"check case {i} ({c.layout}) splits={splits}: err {err:.2e} lse {lerr:.2e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
     return rows
 
 
