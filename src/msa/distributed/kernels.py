@@ -16,20 +16,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _rank_lse(lses_ptr, w, t, h, hmask, s_lw, s_lt, s_lh):
+    """Rank `w`'s LSE of rows (t, h); NaN and +inf read as -inf (an empty share)."""
+    lw = tl.load(lses_ptr + w * s_lw + t * s_lt + h * s_lh, mask=hmask, other=float("-inf")).to(tl.float32)
+    return tl.where((lw == lw) & (lw < float("inf")), lw, float("-inf"))
+
+
+@triton.jit
 def _global_lse(lses_ptr, t, h, hmask, s_lw, s_lt, s_lh, W: tl.constexpr, BLOCK_H: tl.constexpr):
     """(m0, total): the shifted max (0 when every LSE is -inf) and sum of exp(lse_w - m0)."""
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     for w in tl.static_range(W):
-        lw = tl.load(lses_ptr + w * s_lw + t * s_lt + h * s_lh, mask=hmask, other=float("-inf")).to(tl.float32)
-        lw = tl.where((lw == lw) & (lw < float("inf")), lw, float("-inf"))
-        m = tl.maximum(m, lw)
+        m = tl.maximum(m, _rank_lse(lses_ptr, w, t, h, hmask, s_lw, s_lt, s_lh))
     m0 = tl.where(m > float("-inf"), m, 0.0)
     total = tl.zeros((BLOCK_H,), tl.float32)
     for w in tl.static_range(W):
-        lw = tl.load(lses_ptr + w * s_lw + t * s_lt + h * s_lh, mask=hmask, other=float("-inf")).to(tl.float32)
-        lw = tl.where((lw == lw) & (lw < float("inf")), lw, float("-inf"))
-        total += tl.exp(lw - m0)
+        total += tl.exp(_rank_lse(lses_ptr, w, t, h, hmask, s_lw, s_lt, s_lh) - m0)
     return m0, total
+
+
+@triton.jit
+def _weight(lw, m0, total):
+    """A rank's weight exp(lse_w - lse) in the combination; 0 for rows that see nothing."""
+    return tl.where(total > 0, tl.exp(lw - m0) / tl.where(total > 0, total, 1.0), 0.0)
+
+
+@triton.jit
+def _store_lse(lse_ptr, m0, total, offsets, mask):
+    """The combined natural-log LSE, -inf for rows that see nothing."""
+    tl.store(lse_ptr + offsets, tl.where(total > 0, tl.log(tl.where(total > 0, total, 1.0)) + m0, float("-inf")),
+             mask=mask)
 
 
 @triton.jit
@@ -43,19 +59,15 @@ def combine_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, H,
     hmask = h < H
     d = tl.arange(0, D)
     m0, total = _global_lse(lses_ptr, t, h, hmask, s_lw, s_lt, s_lh, W, BLOCK_H)
-    safe_total = tl.where(total > 0, total, 1.0)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     mask2 = hmask[:, None]
     for w in tl.static_range(W):
-        lw = tl.load(lses_ptr + w * s_lw + t * s_lt + h * s_lh, mask=hmask, other=float("-inf")).to(tl.float32)
-        lw = tl.where((lw == lw) & (lw < float("inf")), lw, float("-inf"))
-        weight = tl.where(total > 0, tl.exp(lw - m0) / safe_total, 0.0)
+        weight = _weight(_rank_lse(lses_ptr, w, t, h, hmask, s_lw, s_lt, s_lh), m0, total)
         part = tl.load(outs_ptr + w * s_ow + t * s_ot + h[:, None] * s_oh + d[None, :], mask=mask2, other=0.0)
         acc += tl.where(weight[:, None] > 0, weight[:, None] * part.to(tl.float32), 0.0)
     tl.store(out_ptr + t * s_t + h[:, None] * s_h + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask2)
     if HAS_LSE:
-        lse = tl.where(total > 0, tl.log(safe_total) + m0, float("-inf"))
-        tl.store(lse_ptr + t * s_lse_t + h * s_lse_h, lse, mask=hmask)
+        _store_lse(lse_ptr, m0, total, t * s_lse_t + h * s_lse_h, hmask)
 
 
 @triton.jit
@@ -70,16 +82,11 @@ def correct_kernel(part_ptr, lses_ptr, dst_ptr, lse_ptr, H, rank, head_lo, head_
     hmask = h < H
     d = tl.arange(0, D)
     m0, total = _global_lse(lses_ptr, t, h, hmask, s_lw, s_lt, s_lh, W, BLOCK_H)
-    safe_total = tl.where(total > 0, total, 1.0)
-    own = tl.load(lses_ptr + rank * s_lw + t * s_lt + h * s_lh, mask=hmask, other=float("-inf")).to(tl.float32)
-    own = tl.where((own == own) & (own < float("inf")), own, float("-inf"))
-    weight = tl.where(total > 0, tl.exp(own - m0) / safe_total, 0.0)
+    weight = _weight(_rank_lse(lses_ptr, rank, t, h, hmask, s_lw, s_lt, s_lh), m0, total)
     mask2 = hmask[:, None]
     part = tl.load(part_ptr + t * s_pt + h[:, None] * s_ph + d[None, :], mask=mask2, other=0.0).to(tl.float32)
     scaled = tl.where(weight[:, None] > 0, weight[:, None] * part, 0.0)
     dst = dst_ptr + t * s_dt + (h // chunk)[:, None] * s_dhi + (h % chunk)[:, None] * s_dlo + d[None, :]
     tl.store(dst, scaled.to(dst_ptr.dtype.element_ty), mask=mask2)
     if HAS_LSE:
-        lse = tl.where(total > 0, tl.log(safe_total) + m0, float("-inf"))
-        inside = hmask & (h >= head_lo) & (h < head_hi)
-        tl.store(lse_ptr + t * s_lse_t + (h - head_lo) * s_lse_h, lse, mask=inside)
+        _store_lse(lse_ptr, m0, total, t * s_lse_t + (h - head_lo) * s_lse_h, hmask & (h >= head_lo) & (h < head_hi))
