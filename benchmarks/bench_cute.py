@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--splits", default="")
     parser.add_argument("--stages", default="")
     parser.add_argument("--chains", default="")
+    parser.add_argument("--min-ctas", default="")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="JSON CuteBackend options to time as one more variant (repeatable)")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args()
@@ -118,6 +121,8 @@ def main() -> None:
             variants += [(f"cute splits={s}", CuteBackend(num_splits=int(s))) for s in args.splits.split(",") if s]
             variants += [(f"cute stages={st}", CuteBackend(stages=int(st))) for st in args.stages.split(",") if st]
             variants += [(f"cute chains={c}", CuteBackend(qk_chains=int(c))) for c in args.chains.split(",") if c]
+            variants += [(f"cute min_ctas={m}", CuteBackend(min_ctas=int(m))) for m in args.min_ctas.split(",") if m]
+            variants += [(f"cute {v}", CuteBackend(**json.loads(v))) for v in args.variant]
             for name, backend in variants:
                 try:
                     plan, err, us = check_and_time(backend, problem, inputs, tables, out, ref, timer)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kernel_sass import _resources
 
-from msa.backends.cute.config import DEFAULT_QK_CHAINS, DEFAULT_STAGES, max_stages
+from msa.backends.cute.config import DEFAULT_MIN_CTAS, DEFAULT_QK_CHAINS, DEFAULT_STAGES, max_stages
 
 
 def _tool() -> Path:
@@ -61,7 +61,8 @@ def _mix(ops: list[tuple[int, str]], lo: int, hi: int, skip: tuple[int, int] | N
     return mix
 
 
-def analyse(kind: str, dump: Path, qk_chains: int = DEFAULT_QK_CHAINS) -> dict[str, Any]:
+def analyse(kind: str, dump: Path, qk_chains: int = DEFAULT_QK_CHAINS,
+            min_ctas: int = DEFAULT_MIN_CTAS) -> dict[str, Any]:
     """Compile one kernel (bf16 q and output, 128-token pages, one split) into `dump` (the DSL's
     dump directory, set before it is imported) and summarise it."""
     import cutlass.cute as cute
@@ -70,7 +71,8 @@ def analyse(kind: str, dump: Path, qk_chains: int = DEFAULT_QK_CHAINS) -> dict[s
 
     from msa.backends.cute.kernel import KernelSpec, build
 
-    spec = KernelSpec(kind, 128, "bf16", "bf16", True, True, 128, min(DEFAULT_STAGES, max_stages(kind)), qk_chains)
+    spec = KernelSpec(kind, 128, "bf16", "bf16", True, True, 128, min(DEFAULT_STAGES, max_stages(kind)), qk_chains,
+                      min_ctas)
     for old in dump.glob("*.cubin"):
         old.unlink()
     args = [Int64(0)] * 15 + [Float32(1.0)] * 2 + [Int32(1)] * 3 + [Int64(0)] * 16 + [Int32(1)] * 4
@@ -90,10 +92,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="nvfp4,fp8")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--min-ctas", type=int, default=DEFAULT_MIN_CTAS, help="launch bounds: CTAs per SM")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tmp)
-        rows = [analyse(kind, Path(tmp)) for kind in args.kinds.split(",")]
+        rows = [analyse(kind, Path(tmp), min_ctas=args.min_ctas) for kind in args.kinds.split(",")]
     for r in rows:
         print(f"{r['kind']:6s} registers {r['registers']} spills {r['spills']}  per 16-token step: "
               f"{r['step_instructions']} instructions (+{r['rescale_instructions']} when a maximum moves)")

@@ -18,7 +18,15 @@ from test_fuzz import step_params
 
 import msa
 from msa.backends.cute import CuteBackend
-from msa.backends.cute.config import AUTO_MIN_PROGRAMS, CTAS_PER_SM, choose_splits, programs
+from msa.backends.cute.config import (
+    AUTO_MIN_PROGRAMS,
+    CTAS_PER_SM,
+    DEFAULT_MIN_CTAS,
+    WIDE_MIN_CTAS,
+    choose_min_ctas,
+    choose_splits,
+    programs,
+)
 from msa.platform import Platform, package_installed
 from msa.problem import DecodeProblem, Geometry
 from msa.validation import check_decode_inputs
@@ -56,6 +64,8 @@ def test_measured_choices() -> None:
     assert choose_splits(_problem(64), 132) == 1
     assert choose_splits(_problem(256), 132) == 1
     assert choose_splits(_problem(8), 132) == 8
+    assert choose_min_ctas(_problem(256), 132, 1) == WIDE_MIN_CTAS  # past one wave: 4 CTAs per SM
+    assert choose_min_ctas(_problem(64), 132, 1) == DEFAULT_MIN_CTAS
 
 
 def test_auto_leaves_small_steps_to_triton_but_a_request_runs_them() -> None:

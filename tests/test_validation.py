@@ -126,7 +126,7 @@ def test_fp8_queries_need_bf16_out() -> None:
 
 
 def test_unknown_backend() -> None:
-    with pytest.raises(MSAInputError, match=r"^backend: expected 'auto' or one of 'cutlass_sm100', 'flashinfer', 'triton', 'reference', got 'cuda'"):
+    with pytest.raises(MSAInputError, match=r"^backend: expected 'auto' or one of 'cutlass_sm100', 'flashinfer', 'cute', 'triton', 'reference', got 'cuda'"):
         msa.sparse_decode(**good(), backend="cuda")
 
 

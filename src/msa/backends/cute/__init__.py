@@ -25,6 +25,7 @@ from msa.backends.cute.config import (
     DEFAULT_STAGES,
     KINDS,
     CuteConfig,
+    choose_min_ctas,
     choose_splits,
     max_stages,
     programs,
@@ -65,10 +66,12 @@ class CuteBackend(Backend[CutePlan]):
         ragged=True,
     )
 
-    def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
+                 min_ctas: int | None = None) -> None:
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
+        self.min_ctas = min_ctas
 
     def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
         g = problem.geometry
@@ -83,10 +86,13 @@ class CuteBackend(Backend[CutePlan]):
         return reasons
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> CuteConfig:
-        splits = self.num_splits or choose_splits(problem, detect(device).sm_count)
+        sm_count = detect(device).sm_count
+        splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,
-                          qk_chains=self.qk_chains or DEFAULT_QK_CHAINS)
+                          qk_chains=self.qk_chains or DEFAULT_QK_CHAINS,
+                          min_ctas=choose_min_ctas(problem, sm_count, splits) if self.min_ctas is None
+                          else self.min_ctas)
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> CutePlan:
         from msa.backends.cute.launch import CuteWorkspace, prepare

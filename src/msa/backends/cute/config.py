@@ -7,8 +7,11 @@ import attrs
 
 from msa.problem import DecodeProblem
 
-__all__ = ["CuteConfig", "choose_splits", "programs", "CTAS_PER_SM", "WARPS", "STEP", "DEFAULT_STAGES",
-           "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "max_stages", "DEFAULT_QK_CHAINS"]
+__all__ = [
+    "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
+    "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS", "DEFAULT_MIN_CTAS",
+    "WIDE_MIN_CTAS",
+]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
 WARPS = 4
@@ -24,6 +27,12 @@ SLOTS = {"nvfp4": 80, "fp8": 144}
 SMEM_BUDGET = 48 * 1024 - 2048
 #: Independent accumulator chains of a score tile's 8 mma k-steps.
 DEFAULT_QK_CHAINS = 1
+#: CTAs per SM the kernel's registers must allow (0: ptxas decides; 160 registers, 3 CTAs).
+DEFAULT_MIN_CTAS = 0
+#: Launch bounds for steps of more than one wave: 128 registers, 4 CTAs per SM (656 instead of
+#: 631 instructions per step). H200, NVFP4, benchmarks/bench_cute.py --min-ctas 4: B=256 168.9 ->
+#: 162.2 us; B=64 (one wave) 51.0 -> 52.1, so only past one wave.
+WIDE_MIN_CTAS = 4
 #: CTAs of the kernel that fit on one SM (162 registers x 128 threads on sm_90).
 CTAS_PER_SM = 3
 #: Fewer (row, KV head, 16-head chunk) programs than this and `auto` leaves the step to the Triton
@@ -41,11 +50,13 @@ class CuteConfig:
         more write partials that the merge combines.
     stages: 16-token steps each warp has in flight.
     qk_chains: independent accumulator chains of the score mma k-steps.
+    min_ctas: CTAs per SM the registers must allow (0: ptxas decides).
     """
 
     num_splits: int
     stages: int = DEFAULT_STAGES
     qk_chains: int = DEFAULT_QK_CHAINS
+    min_ctas: int = DEFAULT_MIN_CTAS
 
 
 def max_stages(kind: str) -> int:
@@ -66,3 +77,10 @@ def choose_splits(problem: DecodeProblem, sm_count: int) -> int:
     g = problem.geometry
     most = max(1, g.topk * g.page_size // (WARPS * STEP * _MIN_STEPS_PER_WARP))
     return max(1, min(most, CTAS_PER_SM * sm_count // max(programs(problem), 1)))
+
+
+def choose_min_ctas(problem: DecodeProblem, sm_count: int, splits: int) -> int:
+    """`WIDE_MIN_CTAS` when the step's CTAs fill more than one wave at `CTAS_PER_SM`, else
+    `DEFAULT_MIN_CTAS`: more warps per SM pay only where they find work."""
+    many = programs(problem) * splits > CTAS_PER_SM * sm_count
+    return WIDE_MIN_CTAS if many else DEFAULT_MIN_CTAS

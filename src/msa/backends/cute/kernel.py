@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import DEFAULT_QK_CHAINS, DEFAULT_STAGES, SLOTS, STEP, WARPS
+from msa.backends.cute.config import DEFAULT_MIN_CTAS, DEFAULT_QK_CHAINS, DEFAULT_STAGES, SLOTS, STEP, WARPS
 
 __all__ = ["KernelSpec", "build"]
 
@@ -54,6 +54,7 @@ class KernelSpec:
         head_dim: D (128).
         stages: steps each warp has in flight (asynchronous copies into shared memory).
         qk_chains: independent accumulator chains of a score tile's 8 mma k-steps (1, 2 or 4).
+        min_ctas: CTAs per SM the registers must allow (launch bounds; 0 leaves it to ptxas).
     """
 
     kind: str
@@ -65,6 +66,7 @@ class KernelSpec:
     head_dim: int = 128
     stages: int = DEFAULT_STAGES
     qk_chains: int = DEFAULT_QK_CHAINS
+    min_ctas: int = DEFAULT_MIN_CTAS
 
 
 def _flag(cond: Any) -> Any:
@@ -178,6 +180,8 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
     OUT_BYTES = 2
     STAGES = spec.stages
     CHAINS = spec.qk_chains
+    # ask ptxas for registers that fit MIN_CTAS CTAs per SM (0: its own choice)
+    MIN_CTAS = spec.min_ctas
     ROW = D + D // 32  # shared accumulator row: one pad float per 32 (conflict-free writes)
     BUFFER_FLOATS = max(WARPS * 16 * ROW, STAGES * WARPS * 32 * SLOT // 4)
     STAGE_BYTES = WARPS * 32 * SLOT
@@ -407,6 +411,7 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
                vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh, stride_kp,
                stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_th, stride_tr, stride_tk, stride_bt,
                stride_or, stride_oh, stride_lr, stride_lh, num_kv_heads, group, num_topk,
-               ).launch(grid=grid, block=[WARPS * 32, 1, 1], stream=stream)
+               ).launch(grid=grid, block=[WARPS * 32, 1, 1], stream=stream, min_blocks_per_mp=MIN_CTAS,
+                        preferred_smem_carveout=100 if MIN_CTAS > 1 else None)
 
     return host

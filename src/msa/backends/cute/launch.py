@@ -47,7 +47,7 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
     g = problem.geometry
     return KernelSpec(KINDS[problem.kv_layout], g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
                       config.num_splits == 1,
-                      with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains)
+                      with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains, config.min_ctas)
 
 
 def prepare(problem: DecodeProblem, config: CuteConfig) -> None:
