@@ -81,7 +81,7 @@ def test_refusals_name_what_is_missing() -> None:
     backend = CuteBackend()
     ampere = Platform(device_type="cuda", capability=(8, 0), sm_count=108, packages=frozenset({"triton"}))
     reasons = " ".join(backend.platform_reasons(ampere))
-    assert "9.0" in reasons and "cutlass" in reasons
+    assert "9.0" in reasons and "pip install nvidia-cutlass-dsl" in reasons
     odd = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=64, page_size=24, topk=40)
     text = " ".join(backend.problem_reasons(_problem(8, geometry=odd), _hopper(), requested=True))
     assert "head" in text and "page size 24" in text and "top-k 40" in text

@@ -22,6 +22,7 @@ __all__ = [
     "stream_capturing",
     "OPTIONAL_PACKAGES",
     "PACKAGE_LOCATIONS",
+    "PACKAGE_INSTALL",
 ]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
@@ -32,6 +33,12 @@ OPTIONAL_PACKAGES = ("triton", "fmha_sm100", "flashinfer", "cutlass_dsl")
 PACKAGE_LOCATIONS: dict[str, tuple[str, ...]] = {
     "fmha_sm100": ("vllm.third_party.fmha_sm100", "fmha_sm100"),
     "cutlass_dsl": ("cutlass.cute",),  # nvidia-cutlass-dsl (the older nvidia-cutlass is `cutlass` too)
+}
+
+#: What to install for an optional package whose name on the index is not its import name.
+PACKAGE_INSTALL: dict[str, str] = {
+    "cutlass_dsl": "pip install nvidia-cutlass-dsl",
+    "fmha_sm100": "it ships in vLLM >= 0.33",
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from msa.platform import Platform
+from msa.platform import PACKAGE_INSTALL, Platform
 from msa.problem import DecodeProblem
 
 __all__ = ["Capabilities", "MachineRule", "StepRule", "MACHINE_RULES", "STEP_RULES"]
@@ -139,7 +139,8 @@ def min_capability_rule(c: Capabilities, pf: Platform, requested: bool) -> str |
 def package_rule(c: Capabilities, pf: Platform, requested: bool) -> str | None:
     missing = [name for name in c.packages if not pf.has(name)]
     if missing:
-        return "needs the package(s) " + ", ".join(missing) + ", not installed"
+        named = [f"{name} ({PACKAGE_INSTALL[name]})" if name in PACKAGE_INSTALL else name for name in missing]
+        return "needs the package(s) " + ", ".join(named) + ", not installed"
     return None
 
 
