@@ -75,6 +75,9 @@ def test_auto_leaves_small_steps_to_triton_but_a_request_runs_them() -> None:
     assert any("auto" in r for r in backend.problem_reasons(small, _hopper()))
     assert not backend.problem_reasons(small, _hopper(), requested=True)
     assert not backend.problem_reasons(large, _hopper())
+    blackwell = Platform(device_type="cuda", capability=(10, 0), sm_count=148, packages=frozenset({"cutlass_dsl"}))
+    assert any("Hopper" in r for r in backend.problem_reasons(large, blackwell))
+    assert not backend.problem_reasons(large, blackwell, requested=True)
 
 
 def test_refusals_name_what_is_missing() -> None:

@@ -7,8 +7,8 @@ any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
 The kernel decodes each thread's share of the code bytes straight into tensor-core operand
 registers (`kernel.py` says how); the Triton backend stays the portable default. `auto` takes
 this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs, where it
-measured faster than the Triton kernel (1.27x at B = 64 and 256 on the H200); requested by name
-it runs any step it supports."""
+measured faster than the Triton kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it
+was measured nowhere else); requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ class CuteBackend(Backend[CutePlan]):
         if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
+        if not requested and platform.capability is not None and platform.capability[0] != 9:
+            reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
         return reasons
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> CuteConfig:
