@@ -22,6 +22,7 @@ from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     CTAS_PER_SM,
     DEFAULT_MIN_CTAS,
+    EAGER_MIN_PROGRAMS,
     WIDE_MIN_CTAS,
     choose_min_ctas,
     choose_splits,
@@ -38,10 +39,11 @@ needs_kernel = pytest.mark.skipif(not (HAVE_DSL and ON_HOPPER),
                                   reason="needs nvidia-cutlass-dsl and a GPU of compute capability >= 9.0")
 
 
-def _problem(batch: int, query_len: int = 1, geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
+def _problem(batch: int, query_len: int = 1, geometry: Geometry = msa.MINIMAX_M3,
+             graph_capture: bool = True) -> DecodeProblem:
     return DecodeProblem(geometry=geometry, batch_size=batch, query_len=query_len, kv_layout="nvfp4",
                          q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
-                         max_blocks=0)
+                         max_blocks=0, graph_capture=graph_capture)
 
 
 def _hopper() -> Platform:
@@ -78,6 +80,16 @@ def test_auto_leaves_small_steps_to_triton_but_a_request_runs_them() -> None:
     blackwell = Platform(device_type="cuda", capability=(10, 0), sm_count=148, packages=frozenset({"cutlass_dsl"}))
     assert any("Hopper" in r for r in backend.problem_reasons(large, blackwell))
     assert not backend.problem_reasons(large, blackwell, requested=True)
+
+
+def test_auto_takes_eager_steps_only_where_the_host_cost_is_hidden() -> None:
+    backend = CuteBackend()
+    eager_small, eager_large = _problem(64, graph_capture=False), _problem(256, graph_capture=False)
+    assert programs(eager_small) < EAGER_MIN_PROGRAMS <= programs(eager_large)
+    assert any("eager" in r for r in backend.problem_reasons(eager_small, _hopper()))
+    assert not backend.problem_reasons(eager_large, _hopper())
+    assert not backend.problem_reasons(_problem(64), _hopper())  # captured: the host cost is paid once
+    assert not backend.problem_reasons(eager_small, _hopper(), requested=True)
 
 
 def test_refusals_name_what_is_missing() -> None:
@@ -125,11 +137,11 @@ def test_cute_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any],
 @pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("batch", [8, 64])
-def test_auto_picks_cute_for_nvfp4_and_matches_the_reference(batch: int) -> None:
+def test_auto_picks_cute_for_captured_nvfp4_steps_and_matches_the_reference(batch: int) -> None:
     step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, context_len=4000, kv_cache_dtype="nvfp4",
                                          device="cuda", seed=batch)
     kw = step.kwargs()
-    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="nvfp4", device="cuda")
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="nvfp4", device="cuda", graph_capture=True)
     plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
     assert plan.backend.name == "cute"
     out = torch.full(kw["q"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -6,9 +6,11 @@ any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
 
 The kernel decodes each thread's share of the code bytes straight into tensor-core operand
 registers (`kernel.py` says how); the Triton backend stays the portable default. `auto` takes
-this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs, where it
-measured faster than the Triton kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it
-was measured nowhere else); requested by name it runs any step it supports."""
+this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs that will
+be captured in CUDA graphs (`graph_capture`; eager steps only from `EAGER_MIN_PROGRAMS`: the
+DSL's host launch path costs ~150-300 us a call), where it measured faster than the Triton
+kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was measured nowhere else);
+requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     DEFAULT_QK_CHAINS,
     DEFAULT_STAGES,
+    EAGER_MIN_PROGRAMS,
     KINDS,
     CuteConfig,
     choose_min_ctas,
@@ -83,6 +86,9 @@ class CuteBackend(Backend[CutePlan]):
         if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
+        if not requested and not problem.graph_capture and programs(problem) < EAGER_MIN_PROGRAMS:
+            reasons.append(f"auto: an eager step of fewer than {EAGER_MIN_PROGRAMS} programs, where the DSL's host "
+                           "launch cost (~150-300 us) outweighs the kernel's gain; declare graph_capture=True")
         if not requested and platform.capability is not None and platform.capability[0] != 9:
             reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
         return reasons
