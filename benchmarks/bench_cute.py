@@ -83,7 +83,8 @@ def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
             if lse is not None:
                 lerr = (lse - ref_lse).abs().nan_to_num(0.0).max().item()
                 lse_inf_ok = bool(((lse == float("-inf")) == (ref_lse == float("-inf"))).all())
-            ok = err < TOLERANCE and lerr < TOLERANCE and lse_inf_ok and not o.isnan().any().item()
+            lse_nan = lse is not None and bool(lse.isnan().any())
+            ok = err < TOLERANCE and lerr < TOLERANCE and lse_inf_ok and not lse_nan and not o.isnan().any().item()
             rows.append(dict(case=i, layout=c.layout, splits=splits, err=err, lse_err=lerr, ok=ok))
             print(f"check case {i} ({c.layout}) splits={splits}: err {err:.2e} lse {lerr:.2e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)

@@ -1,7 +1,7 @@
-"""The `cute` backend: NVFP4 sparse decode in a kernel written with the CuTe DSL
+"""The `cute` backend: NVFP4 (and, by name, fp8) sparse decode in a kernel written with the CuTe DSL
 (`nvidia-cutlass-dsl`, an optional dependency: `pip install nvidia-cutlass-dsl`), compiled on
 first use for the GPU it runs on. Hopper and later (compute capability >= 9.0), NVFP4 head-slot
-caches, head dim 128, pages of a multiple of 16 tokens, top-k <= 32, any query length 1..32,
+and fp8 caches, head dim 128, pages of a multiple of 16 tokens, top-k <= 32, any query length 1..32,
 any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
 
 The kernel decodes each thread's share of the code bytes straight into tensor-core operand

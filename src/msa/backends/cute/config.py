@@ -33,7 +33,7 @@ DEFAULT_MIN_CTAS = 0
 #: 631 instructions per step). H200, NVFP4, benchmarks/bench_cute.py --min-ctas 4: B=256 168.9 ->
 #: 162.2 us; B=64 (one wave) 51.0 -> 52.1, so only past one wave.
 WIDE_MIN_CTAS = 4
-#: CTAs of the kernel that fit on one SM (162 registers x 128 threads on sm_90).
+#: CTAs of the kernel that fit on one SM (160 registers x 128 threads on sm_90).
 CTAS_PER_SM = 3
 #: Fewer (row, KV head, 16-head chunk) programs than this and `auto` leaves the step to the Triton
 #: kernel: H200, M3 TP1, 64K contexts, benchmarks/bench_cute.py: B=1 (4 programs) Triton 13.3 us,

@@ -15,8 +15,8 @@ through shared memory. Two free permutations make those loads wide and contiguou
   columns come out permuted the same way and are put back in the epilogue.
 
 A CTA serves one (row, KV head, chunk of 16 query heads, split) with `WARPS` warps; each warp
-walks its own 16-token steps with the next step's bytes loaded before the current one is
-computed (one step of register prefetch), keeps its own online softmax, and the warps are
+walks its own 16-token steps with the next `stages - 1` steps' bytes in flight (`cp.async` into
+thread-private shared-memory slots), keeps its own online softmax, and the warps are
 combined through shared memory at the end. One split writes the output (and LSE); several write
 the same workspace partials as the Triton kernels, which the Triton merge kernel combines.
 """
@@ -92,7 +92,7 @@ def _issue_step(slot: Any, u: Any, active: Any, n: Any, sm_page: Any, sm_jid: An
 
     nvfp4 (80-byte slot): key codes of two tokens (bytes 0-31), value codes of four (32-63), the
     two keys' scale words (64-71: the 4-byte word holding the lane's two block scales) and the
-    value scale quad (72-75). fp8 (128-byte slot): the two keys' 32 bytes (0-63), the four
+    value scale quad (72-75). fp8 (144-byte slot, 128 of data): the two keys' 32 bytes (0-63), the four
     values' 16 bytes (64-127)."""
     page, vis = _step_vis(u, n, sm_page, sm_jid, P)
     vis = vis * active
