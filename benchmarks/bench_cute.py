@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tune_kernels import check_and_time, prepare_case
+from tune_kernels import m3_cases, try_check_and_time
 
 import msa
 from msa.backends.cute import CuteBackend
@@ -33,6 +33,8 @@ from msa.problem import Geometry
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
+#: Command-line flags that time `CuteBackend` with one option forced, and that option.
+OPTION_FLAGS = (("splits", "num_splits"), ("stages", "stages"), ("chains", "qk_chains"), ("min_ctas", "min_ctas"))
 TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 operands, fp32 sums)
 
 
@@ -96,10 +98,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--layouts", default="nvfp4,fp8_e4m3")
-    parser.add_argument("--splits", default="")
-    parser.add_argument("--stages", default="")
-    parser.add_argument("--chains", default="")
-    parser.add_argument("--min-ctas", default="")
+    for flag, _ in OPTION_FLAGS:
+        parser.add_argument(f"--{flag.replace('_', '-')}", default="", help="comma-separated values to time")
     parser.add_argument("--variant", action="append", default=[],
                         help="JSON CuteBackend options to time as one more variant (repeatable)")
     parser.add_argument("--reps", type=int, default=40)
@@ -113,30 +113,23 @@ def main() -> None:
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
-    for layout in args.layouts.split(","):
-        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
-                                device="cuda", seed=0)
-        for batch in batches:
-            n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
-            variants: list[tuple[str, Any]] = [("triton", TritonBackend()), ("cute", CuteBackend())]
-            variants += [(f"cute splits={s}", CuteBackend(num_splits=int(s))) for s in args.splits.split(",") if s]
-            variants += [(f"cute stages={st}", CuteBackend(stages=int(st))) for st in args.stages.split(",") if st]
-            variants += [(f"cute chains={c}", CuteBackend(qk_chains=int(c))) for c in args.chains.split(",") if c]
-            variants += [(f"cute min_ctas={m}", CuteBackend(min_ctas=int(m))) for m in args.min_ctas.split(",") if m]
-            variants += [(f"cute {v}", CuteBackend(**json.loads(v))) for v in args.variant]
-            for name, backend in variants:
-                try:
-                    plan, err, us = check_and_time(backend, problem, inputs, tables, out, ref, timer)
-                except Exception as exc:
-                    print(f"{layout} B={batch} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                    continue
-                splits = plan.config.num_splits
-                rows.append(dict(layout=layout, batch=batch, variant=name, us=us,
-                                 frac_copy=n_bytes / us / 1e3 / copy, err=err, splits=splits))
-                print(f"{layout:8s} B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us "
-                      f"{n_bytes / us / 1e3 / copy:.2f} err {err:.1e}", flush=True)
-        del step
-        torch.cuda.empty_cache()
+    variants: list[tuple[str, dict[str, Any]]] = [("cute", {})]
+    for flag, option in OPTION_FLAGS:  # one variant per value of each option flag
+        variants += [(f"cute {flag}={v}", {option: int(v)}) for v in getattr(args, flag).split(",") if v]
+    variants += [(f"cute {v}", json.loads(v)) for v in args.variant]
+    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen):
+        n_bytes = case[0]
+        backends = [("triton", TritonBackend()), *((name, CuteBackend(**kw)) for name, kw in variants)]
+        for name, backend in backends:
+            timed = try_check_and_time(f"{layout} B={batch} {name}", backend, case, timer)
+            if timed is None:
+                continue
+            plan, err, us = timed
+            splits = plan.config.num_splits
+            rows.append(dict(layout=layout, batch=batch, variant=name, us=us,
+                             frac_copy=n_bytes / us / 1e3 / copy, err=err, splits=splits))
+            print(f"{layout:8s} B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us "
+                  f"{n_bytes / us / 1e3 / copy:.2f} err {err:.1e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_cute.json").write_text(json.dumps(dict(copy_gbps=copy, checks=checks, rows=rows), indent=1))
     print(f"copy bandwidth {copy:.0f} GB/s; checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")

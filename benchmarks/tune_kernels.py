@@ -15,6 +15,7 @@ import argparse
 import functools
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,29 @@ def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: St
     return plan, err, timer.graph(run)
 
 
+def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator) -> Iterator[tuple[str, int, Any]]:
+    """(layout, batch, `prepare_case` of it) for M3 TP1 at 64K contexts, L = 1: one cache per
+    layout (sized for the largest batch), freed before the next."""
+    for layout in layouts:
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
+                                device="cuda", seed=0)
+        for batch in batches:
+            yield layout, batch, prepare_case(step, batch, gen)
+        del step
+        torch.cuda.empty_cache()
+
+
+def try_check_and_time(label: str, backend: Any, case: Any, timer: Timer) -> tuple[Any, float, float] | None:
+    """`check_and_time` on a prepared case, or None (printed) for a configuration that does not
+    compile or launch (registers, shared memory)."""
+    _, ref, problem, inputs, tables, out = case
+    try:
+        return check_and_time(backend, problem, inputs, tables, out, ref, timer)
+    except Exception as exc:
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -82,27 +106,21 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for layout in args.layouts.split(","):
-        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
-                                device="cuda", seed=0)
-        for batch in batches:
-            n_bytes, ref, problem, inputs, tables, out = prepare_case(step, batch, gen)
-            variants: list[dict[str, Any]] = [{}, *([json.loads(v) for v in args.variant] or VARIANTS[layout])]
-            for overrides in variants:
-                try:
-                    plan, err, us = check_and_time(TritonBackend(**overrides), problem, inputs, tables, out, ref, timer)
-                except Exception as exc:  # a configuration that does not compile (registers, shared memory)
-                    print(f"{layout} B={batch} {overrides}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                c = plan.config
-                row = dict(layout=layout, batch=batch, variant=overrides or "default", us=us,
-                           frac_copy=n_bytes / us / 1e3 / copy, err=err, block_n=c.block_n, warps=c.num_warps,
-                           stages=c.num_stages, splits=c.num_splits, decode_asm=c.decode_asm)
-                rows.append(row)
-                print(f"{layout:9s} B={batch:3d} {str(row['variant']):70s} {us:8.1f} us "
-                      f"{row['frac_copy']:.2f} err {err:.1e}", flush=True)
-        del step
-        torch.cuda.empty_cache()
+    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen):
+        n_bytes = case[0]
+        variants: list[dict[str, Any]] = [{}, *([json.loads(v) for v in args.variant] or VARIANTS[layout])]
+        for overrides in variants:
+            timed = try_check_and_time(f"{layout} B={batch} {overrides}", TritonBackend(**overrides), case, timer)
+            if timed is None:
+                continue
+            plan, err, us = timed
+            c = plan.config
+            row = dict(layout=layout, batch=batch, variant=overrides or "default", us=us,
+                       frac_copy=n_bytes / us / 1e3 / copy, err=err, block_n=c.block_n, warps=c.num_warps,
+                       stages=c.num_stages, splits=c.num_splits, decode_asm=c.decode_asm)
+            rows.append(row)
+            print(f"{layout:9s} B={batch:3d} {str(row['variant']):70s} {us:8.1f} us "
+                  f"{row['frac_copy']:.2f} err {err:.1e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune_kernels.json").write_text(json.dumps(dict(copy_gbps=copy, rows=rows), indent=1, default=str))
     best: dict[tuple[str, int], dict[str, Any]] = {}
