@@ -28,6 +28,7 @@ from msa.backends.cute.config import (
     choose_splits,
     programs,
 )
+from msa.planning import StepTables
 from msa.platform import Platform, package_installed
 from msa.problem import DecodeProblem, Geometry
 from msa.validation import check_decode_inputs
@@ -149,3 +150,25 @@ def test_auto_picks_cute_for_captured_nvfp4_steps_and_matches_the_reference(batc
                 v_scale=kw["v_scale"])
     ref = msa.sparse_decode(**kw, backend="reference")
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=3e-3)
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run` launches the kernel compiled at plan time for its LSE choice, with the host's argument
+    list (checked here on the CPU with the kernels replaced by recorders: the GPU tests run them)."""
+    from msa.backends.cute import launch
+
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=1000, kv_cache_dtype="nvfp4", seed=1)
+    problem, inputs = check_decode_inputs(**step.kwargs(), return_lse=with_lse)
+    calls: dict[bool, list[tuple[Any, ...]]] = {False: [], True: []}
+    kernels = {flag: (lambda *args, flag=flag: calls[flag].append(args)) for flag in (False, True)}
+    monkeypatch.setattr(launch, "_stream", lambda: "stream")
+    config = CuteBackend(num_splits=1).config_for(problem, torch.device("cpu"))
+    out = torch.empty(inputs.q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(inputs.q.shape[:2]) if with_lse else None
+    launch.launch_cute(problem, inputs, StepTables.for_inputs(problem, inputs).rows, out, lse, config,
+                       launch.CuteWorkspace(problem, config, torch.device("cpu")), kernels)
+    assert not calls[not with_lse] and len(calls[with_lse]) == 1
+    args = calls[with_lse][0]
+    assert len(args) == 41 and args[0] == inputs.q.data_ptr() and args[-1] == "stream"
+    assert args[7] == out.data_ptr() and args[8] == (lse if lse is not None else out).data_ptr()

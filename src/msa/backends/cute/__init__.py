@@ -43,12 +43,14 @@ __all__ = ["CuteBackend", "CutePlan"]
 
 @attrs.frozen(eq=False)
 class CutePlan:
-    """The split count, the plan's workspace and the planner's per-row metadata."""
+    """The split count, the plan's workspace, the planner's per-row metadata and the compiled
+    kernels (by whether they write the LSE)."""
 
     problem: DecodeProblem
     config: CuteConfig
     workspace: Any
     rows: RowMetadata
+    kernels: dict[bool, Any]
 
 
 class CuteBackend(Backend[CutePlan]):
@@ -107,10 +109,10 @@ class CuteBackend(Backend[CutePlan]):
 
         device = tables.seq_lens.device
         config = self.config_for(problem, device)
-        prepare(problem, config)
-        return CutePlan(problem, config, CuteWorkspace(problem, config, device), tables.rows)
+        kernels = prepare(problem, config)
+        return CutePlan(problem, config, CuteWorkspace(problem, config, device), tables.rows, kernels)
 
     def run(self, plan: CutePlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         from msa.backends.cute.launch import launch_cute
 
-        launch_cute(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace)
+        launch_cute(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace, plan.kernels)

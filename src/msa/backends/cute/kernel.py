@@ -37,7 +37,6 @@ from msa.backends.cute.config import DEFAULT_MIN_CTAS, DEFAULT_QK_CHAINS, DEFAUL
 
 __all__ = ["KernelSpec", "build"]
 
-_LN2 = 0.6931471805599453
 _NEG_INF = float("-inf")
 
 

@@ -50,11 +50,12 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
                       with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains, config.min_ctas)
 
 
-def prepare(problem: DecodeProblem, config: CuteConfig) -> None:
-    """Compile the kernels a plan's `run` may launch (its output dtype, with and without LSE),
-    so that no compilation happens inside a graph capture."""
-    for with_lse in (False, True):
-        compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse))
+def prepare(problem: DecodeProblem, config: CuteConfig) -> dict[bool, Any]:
+    """The compiled kernels a plan's `run` launches, by whether it writes the LSE (the output
+    dtype is the problem's: validation fixes it), compiled here so that no compilation, and no
+    cache lookup under the lock, happens in `run` (nor inside a graph capture)."""
+    return {with_lse: compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse))
+            for with_lse in (False, True)}
 
 
 def compiled_kernel(spec: Any) -> Any:
@@ -97,6 +98,7 @@ def launch_cute(
     lse: torch.Tensor | None,
     config: CuteConfig,
     workspace: CuteWorkspace,
+    kernels: dict[bool, Any],
 ) -> None:
     """Run the kernel (and the merge when split) into `out` / `lse`. Allocates nothing and never
     synchronises."""
@@ -115,7 +117,7 @@ def launch_cute(
         raise MSAInputError("kv_cache", "16-byte aligned pages, heads and tokens for the cute backend (the triton "
                             "backend takes any)", f"strides {kv.k_strides} / {kv.v_strides}")
     qk, vs, scales = _scales(inputs, workspace.one)
-    fn = compiled_kernel(spec_for(problem, config, out.dtype, lse is not None))
+    fn = kernels[lse is not None]
     lse_arg = lse if lse is not None else out
     (stride_kp, stride_kh, stride_kt), (stride_vp, stride_vh, stride_vt) = kv.k_strides, kv.v_strides
     fn(q.data_ptr(), k_base, v_base, topk.data_ptr(), table.data_ptr(), rows.row_request.data_ptr(),

@@ -14,7 +14,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 __all__ = [
-    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_v4", "ld_v2", "ld_b32", "ld_u16", "ld_b32_plain",
+    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_b32_plain",
     "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
@@ -38,31 +38,6 @@ def _i32(n: int, ptx: str, constraints: str, *args: Any, side: bool = False) -> 
 
 
 # -- global memory ---------------------------------------------------------------------------
-
-def ld_v4(addr: Any, pred: Any) -> list[Int32]:
-    """16 bytes from the read-only path (zero when `pred` is 0)."""
-    return _i32(4, "{.reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0;"
-                   " mov.b32 $3, 0; @p ld.global.nc.L1::no_allocate.v4.b32 {$0,$1,$2,$3}, [$4];}",
-                "=r,=r,=r,=r,l,r", addr, pred)
-
-
-def ld_v2(addr: Any, pred: Any) -> list[Int32]:
-    """8 bytes from the read-only path (zero when `pred` is 0)."""
-    return _i32(2, "{.reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;"
-                   " @p ld.global.nc.L1::no_allocate.v2.b32 {$0,$1}, [$2];}", "=r,=r,l,r", addr, pred)
-
-
-def ld_b32(addr: Any, pred: Any) -> Int32:
-    """4 bytes from the read-only path (zero when `pred` is 0)."""
-    return _i32(1, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1];}",
-                "=r,l,r", addr, pred)[0]
-
-
-def ld_u16(addr: Any, pred: Any) -> Int32:
-    """2 bytes, zero-extended (zero when `pred` is 0)."""
-    return _i32(1, "{.reg .pred p; .reg .b16 h; setp.ne.b32 p, $2, 0; mov.b16 h, 0;"
-                   " @p ld.global.nc.b16 h, [$1]; cvt.u32.u16 $0, h;}", "=r,l,r", addr, pred)[0]
-
 
 def ld_b32_plain(addr: Any, pred: Any) -> Int32:
     """4 bytes through the coherent path (index lists, tables, row metadata; 0 when `pred` is 0)."""
