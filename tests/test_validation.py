@@ -215,3 +215,39 @@ def test_minimax_geometries() -> None:
     m3 = msa.MINIMAX_M3
     assert (m3.head_dim, m3.page_size, m3.topk, m3.group_size) == (128, 128, 16, 16)
     assert {m3: 1}[msa.Geometry(64, 4, 128, 128, 16)] == 1  # hashable value: usable as a key
+
+
+def _offset(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """`t`'s values in a tensor whose storage starts `elements` elements later (same strides)."""
+    flat = torch.empty(t.numel() + elements, dtype=t.dtype)
+    view = flat[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
+def test_the_problem_says_whether_vector_loads_may_read_the_step(layout: str) -> None:
+    """`vector_aligned`: q/out rows on 4 bytes, the cache's bases, pages, heads (and tokens) on 16;
+    a call signature of a misaligned view differs from the aligned one's, so the answer is never
+    reused for the wrong alignment."""
+    from msa.validation import call_signature, vector_misalignment
+    from msa.workload import make_decode_step
+
+    step = make_decode_step(msa.Geometry(HQ, HKV, 128, P, K), batch_size=2, context_len=60, kv_cache_dtype=layout,
+                            seed=1)
+    kw = step.kwargs()
+    problem, inputs = check_decode_inputs(**kw)
+    assert problem.vector_aligned
+    q_odd = _offset(kw["q"], 1 if kw["q"].element_size() == 2 else 2)
+    problem, _ = check_decode_inputs(**{**kw, "q": q_odd})
+    assert not problem.vector_aligned
+    cache = kw["kv_cache"]
+    shifted = _offset(cache, 16 // cache.element_size() // 2 or 8)
+    problem, inputs = check_decode_inputs(**{**kw, "kv_cache": shifted})
+    assert not problem.vector_aligned
+    reason = vector_misalignment(inputs.q, None, inputs.layout.kv_operands(shifted), inputs.layout.block_scaled)
+    assert reason is not None and reason[0] == "kv_cache" and "16 bytes" in reason[1]
+    assert call_signature((kw["q"],), ()) != call_signature((q_odd,), ())
+    # the reference reads a misaligned step as any other
+    out = msa.sparse_decode(**{**kw, "q": q_odd}, backend="reference")
+    torch.testing.assert_close(out, msa.sparse_decode(**kw, backend="reference"))

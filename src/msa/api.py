@@ -307,13 +307,14 @@ def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device:
     capturing = stream_capturing(device)  # only capturable backends are chosen then
     key = (
         problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(q_index(device)),
-        problem.q_dtype, problem.return_lse, registry, problem.kv_form, capturing,
+        problem.q_dtype, problem.return_lse, registry, problem.kv_form, capturing, problem.vector_aligned,
     )
     planner = planners.get(key)
     if planner is None:
         planner = DecodePlanner(
             problem.geometry, kv_cache_dtype=layout, backend=backend, device=device,
             q_dtype=problem.q_dtype, with_lse=problem.return_lse, kv_form=problem.kv_form, graph_capture=capturing,
+            vector_aligned=problem.vector_aligned,
         )
         planners[key] = planner
         while len(planners) > _MAX_PLANNERS:

@@ -159,6 +159,9 @@ class DecodePlanner:
             the built-in backends.
         graph_capture: the runs will be captured in CUDA graphs (backends whose `run` cannot be
             captured are not chosen).
+        vector_aligned: the runs' q/out rows start on 4-byte boundaries and their caches' pages
+            and heads on 16-byte ones (`msa.validation.vector_misalignment`; caches allocated by
+            a layout are). False keeps backends that load them as vectors from being chosen.
 
     Raises:
         MSAInputError: a bad argument, or a CUDA device on a machine without one.
@@ -178,6 +181,7 @@ class DecodePlanner:
         policy: SelectionPolicy | None = None,
         kv_form: str = "packed",
         graph_capture: bool = False,
+        vector_aligned: bool = True,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise MSAInputError("geometry", "an msa.Geometry", type(geometry).__name__)
@@ -185,6 +189,7 @@ class DecodePlanner:
             raise MSAInputError("q_dtype", "bfloat16, float16 or float8_e4m3fn", q_dtype)
         check_flag("with_lse", with_lse)
         check_flag("graph_capture", graph_capture)
+        check_flag("vector_aligned", vector_aligned)
         if kv_form not in CACHE_FORMS:
             raise MSAInputError("kv_form", f"one of {', '.join(CACHE_FORMS)}", repr(kv_form))
         if not isinstance(backend, str):
@@ -198,6 +203,7 @@ class DecodePlanner:
         self.with_lse = with_lse
         self.kv_form = kv_form
         self.graph_capture = graph_capture
+        self.vector_aligned = vector_aligned
         self.platform = platform if platform is not None else detect(self.device)
         self.policy = policy
         self.plans: PlanCache[PlanKey, DecodePlan] = PlanCache(max_plans)
@@ -234,6 +240,7 @@ class DecodePlanner:
                 total_rows=rows,
                 kv_form=self.kv_form,
                 graph_capture=self.graph_capture,
+                vector_aligned=self.vector_aligned,
             )
             chosen, _ = policy.select(problem, self.platform, self.backend_name)
             if len(self._shapes) > 4 * self.plans.max_plans:

@@ -126,6 +126,9 @@ class DecodeProblem:
             seen the cache assumes msa's default, one packed tensor).
         graph_capture: the caller will capture `run` in a CUDA graph (backends whose `run`
             allocates or reads the host refuse such steps).
+        vector_aligned: q's and out's rows start on 4-byte boundaries and the cache's pages and
+            heads on 16-byte ones (`validation.vector_misalignment`), as kernels with vector loads
+            need; a planner assumes so, as it assumes `kv_form` (`msa.sparse_decode` checks).
     """
 
     geometry: Geometry
@@ -143,6 +146,7 @@ class DecodeProblem:
     total_rows: int | None = None
     kv_form: str = attrs.field(default="packed", validator=attrs.validators.in_(CACHE_FORMS))
     graph_capture: bool = False
+    vector_aligned: bool = True
 
     @property
     def layout(self) -> KVLayout:

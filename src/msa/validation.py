@@ -18,6 +18,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
+from msa.layouts.base import KVOperands
 from msa.problem import DecodeProblem, Geometry, cache_form
 from msa.scales import Scale, check_scale
 from msa.semantics import row_positions
@@ -152,7 +153,35 @@ def _tensor_signature(t: object) -> object:
     if isinstance(t, tuple):
         return tuple(map(_tensor_signature, t))
     assert isinstance(t, torch.Tensor)
-    return (t.shape, t.stride(), t.dtype, t.get_device())
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)  # the address: `vector_aligned`
+
+
+def vector_misalignment(q: torch.Tensor, out: torch.Tensor | None, kv: KVOperands,
+                        block_scaled: bool) -> tuple[str, str, str] | None:
+    """What keeps a kernel with vector loads from these tensors, as (argument, expectation, what
+    was given), or None: the rows of `q` and `out` must start on 4-byte boundaries, and the cache's
+    key and value bases, pages and heads (and tokens, except in NVFP4 head slots, whose rows the
+    layout addresses itself) on 16-byte ones. `DecodeProblem.vector_aligned` records the answer
+    for the selection policy."""
+    for name, t in (("q", q), ("out", out)):
+        if t is not None and (t.data_ptr() % 4 or any(st * t.element_size() % 4 for st in t.stride()[:-1])):
+            return name, "rows aligned to 4 bytes", f"address {t.data_ptr():#x}, strides {tuple(t.stride())}"
+    kept = 2 if block_scaled else 3
+    bases = (kv.k.data_ptr(), kv.v.data_ptr() + kv.v_offset * kv.v.element_size())
+    strides = (*(st * kv.k.element_size() for st in kv.k_strides[:kept]),
+               *(st * kv.v.element_size() for st in kv.v_strides[:kept]))
+    if any(b % 16 for b in bases) or any(st % 16 for st in strides):
+        return ("kv_cache", "keys and values, pages, heads and tokens aligned to 16 bytes",
+                f"bases {bases[0]:#x} / {bases[1]:#x}, byte strides {strides}")
+    return None
+
+
+def _vector_aligned(q: torch.Tensor, out: torch.Tensor | None, layout: KVLayout, cache: KVCache) -> bool:
+    try:
+        kv = layout.kv_operands(cache)
+    except MSAInputError:  # a form no kernel addresses this way (the reference reads it)
+        return False
+    return vector_misalignment(q, out, kv, layout.block_scaled) is None
 
 
 def call_signature(tensors: tuple[object, ...], values: tuple[object, ...]) -> tuple[Any, ...] | None:
@@ -387,6 +416,7 @@ def check_decode_inputs(
         ragged=starts is not None,
         total_rows=rows if starts is not None else None,
         kv_form=cache_form(cache),
+        vector_aligned=_vector_aligned(q_t, out_t, layout, cache),
     )
     inputs = DecodeInputs(
         problem=problem,
