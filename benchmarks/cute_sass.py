@@ -66,17 +66,14 @@ def analyse(kind: str, dump: Path, qk_chains: int = DEFAULT_QK_CHAINS,
     """Compile one kernel (bf16 q and output, 128-token pages, one split) into `dump` (the DSL's
     dump directory, set before it is imported) and summarise it."""
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.runtime import make_fake_stream
 
-    from msa.backends.cute.kernel import KernelSpec, build
+    from msa.backends.cute.kernel import KernelSpec, build, compile_args
 
     spec = KernelSpec(kind, 128, "bf16", "bf16", True, True, 128, min(DEFAULT_STAGES, max_stages(kind)), qk_chains,
                       min_ctas)
     for old in dump.glob("*.cubin"):
         old.unlink()
-    args = [Int64(0)] * 15 + [Float32(1.0)] * 2 + [Int32(1)] * 3 + [Int64(0)] * 16 + [Int32(1)] * 4
-    cute.compile(build(spec), *args, make_fake_stream())
+    cute.compile(build(spec), *compile_args())
     cubin = next(dump.glob("*.cubin"))
     resources = _resources(cubin.read_bytes())
     ops = _ops(cubin)

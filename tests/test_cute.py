@@ -5,9 +5,13 @@ planner, and inside a CUDA graph."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import random
+import struct
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from cases import assert_close_to_naive
@@ -17,12 +21,12 @@ from hypothesis import strategies as st
 from test_fuzz import step_params
 
 import msa
-from msa.backends.cute import CuteBackend
+from msa.backends.cute import CuteBackend, fastcall
 from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     CTAS_PER_SM,
     DEFAULT_MIN_CTAS,
-    EAGER_MIN_PROGRAMS,
+    HOST_ARG_KINDS,
     WIDE_MIN_CTAS,
     choose_min_ctas,
     choose_splits,
@@ -83,14 +87,26 @@ def test_auto_leaves_small_steps_to_triton_but_a_request_runs_them() -> None:
     assert not backend.problem_reasons(large, blackwell, requested=True)
 
 
-def test_auto_takes_eager_steps_only_where_the_host_cost_is_hidden() -> None:
+def test_auto_takes_eager_and_captured_steps_alike() -> None:
+    """Launches pack their own arguments (no DSL host path per call), so an eager step is chosen
+    as a captured one is."""
     backend = CuteBackend()
-    eager_small, eager_large = _problem(64, graph_capture=False), _problem(256, graph_capture=False)
-    assert programs(eager_small) < EAGER_MIN_PROGRAMS <= programs(eager_large)
-    assert any("eager" in r for r in backend.problem_reasons(eager_small, _hopper()))
-    assert not backend.problem_reasons(eager_large, _hopper())
-    assert not backend.problem_reasons(_problem(64), _hopper())  # captured: the host cost is paid once
-    assert not backend.problem_reasons(eager_small, _hopper(), requested=True)
+    for batch in (8, 64, 256):
+        assert not backend.problem_reasons(_problem(batch, graph_capture=False), _hopper())
+        assert not backend.problem_reasons(_problem(batch, graph_capture=True), _hopper())
+
+
+def test_misaligned_steps_are_refused_at_selection() -> None:
+    """Steps whose tensors its vector loads cannot read are refused when the backend is chosen,
+    by `auto` and by name (the triton backend takes them), not when they run."""
+    backend = CuteBackend()
+    misaligned = attrs.evolve(_problem(64), vector_aligned=False)
+    for requested in (False, True):
+        assert any("aligned" in r for r in backend.problem_reasons(misaligned, _hopper(), requested=requested))
+    from msa.policy import default_policy
+
+    chosen, _ = default_policy().select(misaligned, _hopper(), "auto")
+    assert chosen.name == "triton"
 
 
 def test_refusals_name_what_is_missing() -> None:
@@ -162,7 +178,7 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pyt
     problem, inputs = check_decode_inputs(**step.kwargs(), return_lse=with_lse)
     calls: dict[bool, list[tuple[Any, ...]]] = {False: [], True: []}
     kernels = {flag: (lambda *args, flag=flag: calls[flag].append(args)) for flag in (False, True)}
-    monkeypatch.setattr(launch, "_stream", lambda: "stream")
+    monkeypatch.setattr(launch, "_stream", lambda: 0x5EED)
     config = CuteBackend(num_splits=1).config_for(problem, torch.device("cpu"))
     out = torch.empty(inputs.q.shape, dtype=torch.bfloat16)
     lse = torch.empty(inputs.q.shape[:2]) if with_lse else None
@@ -170,5 +186,101 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pyt
                        launch.CuteWorkspace(problem, config, torch.device("cpu")), kernels)
     assert not calls[not with_lse] and len(calls[with_lse]) == 1
     args = calls[with_lse][0]
-    assert len(args) == 41 and args[0] == inputs.q.data_ptr() and args[-1] == "stream"
+    assert len(args) == 41 and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
     assert args[7] == out.data_ptr() and args[8] == (lse if lse is not None else out).data_ptr()
+
+
+# -- the launch path, against the real DSL (compiled on the CPU, launches intercepted) ---------
+
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="needs nvidia-cutlass-dsl")
+
+
+@pytest.fixture(scope="module")
+def compiled_host() -> Any:
+    """A real compiled host function (NVFP4, one split, LSE): compiling needs no GPU."""
+    import cutlass.cute as cute
+
+    from msa.backends.cute.kernel import KernelSpec, build, compile_args
+
+    return cute.compile(build(KernelSpec("nvfp4", 128, "bf16", "bf16", True, True)), *compile_args())
+
+
+def _random_values(kinds: tuple[str, ...], gen: random.Random) -> list[int | float]:
+    pick = {"i64": lambda: gen.randrange(-2**63, 2**63), "i32": lambda: gen.randrange(-2**31, 2**31),
+            "f32": lambda: struct.unpack("f", struct.pack("f", gen.uniform(-1e6, 1e6)))[0],
+            "stream": lambda: gen.randrange(1, 2**48)}
+    return [pick[k]() for k in kinds]
+
+
+def _read(kind: str, address: int) -> int | float:
+    return fastcall.arg_struct((kind,)).from_address(address).a0
+
+
+@needs_dsl
+def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> None:
+    """The premise of the fast launch path: the DSL's own adaptation of the kernel's 41 arguments
+    (fresh random values every run) is one pointer per argument to its value in its kind's C type,
+    which is what `PackedCall` builds; and the check refuses a wrong description."""
+    assert fastcall.packing_matches(compiled_host, HOST_ARG_KINDS)
+    values = _random_values(HOST_ARG_KINDS, random.Random())
+    pointers, keep = compiled_host.generate_execution_args(*values[:-1], fastcall._cu_stream(values[-1]))
+    addresses = [p.value if isinstance(p, ctypes.c_void_p) else p for p in pointers]
+    assert [_read(k, a) for k, a in zip(HOST_ARG_KINDS, addresses, strict=True)] == values
+    del keep
+    float_as_int = ("i32" if k == "f32" else k for k in HOST_ARG_KINDS)
+    assert not fastcall.packing_matches(compiled_host, tuple(float_as_int))
+    assert not fastcall.packing_matches(compiled_host, HOST_ARG_KINDS[:-1])
+    assert not fastcall.packing_matches(object(), HOST_ARG_KINDS)
+
+
+@needs_dsl
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_call_launches_through_the_dsls_executor(compiled_host: Any, packed: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PackedCall` hands the executor of its device one pointer per argument to the caller's
+    values (packed), or calls the compiled function itself with a DSL stream (not packed); the
+    executor is made once per device. The compiled launch itself is intercepted (no GPU here)."""
+    seen: list[Any] = []
+    devices: list[int] = []
+
+    class Executor:
+        def run_compiled_program(self, pointers: list[int]) -> None:
+            seen.append([_read(k, a) for k, a in zip(HOST_ARG_KINDS, pointers, strict=True)])
+
+    def to(device: int) -> Executor:
+        devices.append(device)
+        return Executor()
+
+    monkeypatch.setattr(compiled_host, "to", to)
+    monkeypatch.setattr(type(compiled_host), "__call__", lambda self, *a: seen.append(list(a)))
+    call = fastcall.PackedCall(compiled_host, HOST_ARG_KINDS, packed)
+    values = _random_values(HOST_ARG_KINDS, random.Random())
+    for _ in range(2):
+        call.launcher(3)(*values)
+    assert call.launcher(3) is call.launcher(3)
+    if packed:
+        assert devices == [3] and seen == [values, values]
+    else:
+        assert not devices and len(seen) == 2
+        assert seen[0][:-1] == values[:-1] and int(seen[0][-1]) == values[-1]
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_plans_launch_through_the_packed_path_and_match() -> None:
+    """On the installed DSL every compiled kernel packs its own arguments (the DSL's adaptation
+    matched at compile time), and a plan launched that way matches the reference, twice."""
+    from msa.backends.cute import launch
+
+    backend = CuteBackend()
+    for seed in (2, 3):
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=3000, kv_cache_dtype="nvfp4", device="cuda",
+                                seed=seed)
+        kw = step.kwargs()
+        problem, inputs = check_decode_inputs(**kw)
+        plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))
+        assert launch._compiled and all(call.packed for call in launch._compiled.values())
+        out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+        backend.run(plan, inputs, out, None)
+        ref = msa.sparse_decode(**kw, backend="reference")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=3e-3)

@@ -6,11 +6,10 @@ any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
 
 The kernel decodes each thread's share of the code bytes straight into tensor-core operand
 registers (`kernel.py` says how); the Triton backend stays the portable default. `auto` takes
-this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs that will
-be captured in CUDA graphs (`graph_capture`; eager steps only from `EAGER_MIN_PROGRAMS`: the
-DSL's host launch path costs ~150-300 us a call), where it measured faster than the Triton
-kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was measured nowhere else);
-requested by name it runs any step it supports."""
+this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs, eager or
+captured in CUDA graphs alike (launches pack their own arguments: `fastcall`), where it measured
+faster than the Triton kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was
+measured nowhere else); requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     DEFAULT_QK_CHAINS,
     DEFAULT_STAGES,
-    EAGER_MIN_PROGRAMS,
     KINDS,
     CuteConfig,
     choose_min_ctas,
@@ -85,12 +83,12 @@ class CuteBackend(Backend[CutePlan]):
             reasons.append(f"page size {g.page_size} is not a multiple of 16")
         if g.topk > 32:
             reasons.append(f"top-k {g.topk} > 32")
+        if not problem.vector_aligned:
+            reasons.append("q/out rows not 4-byte or cache pages not 16-byte aligned (it loads them as vectors; the "
+                           "triton backend takes any alignment)")
         if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
-        if not requested and not problem.graph_capture and programs(problem) < EAGER_MIN_PROGRAMS:
-            reasons.append(f"auto: an eager step of fewer than {EAGER_MIN_PROGRAMS} programs, where the DSL's host "
-                           "launch cost (~150-300 us) outweighs the kernel's gain; declare graph_capture=True")
         if not requested and platform.capability is not None and platform.capability[0] != 9:
             reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
         return reasons
@@ -109,7 +107,7 @@ class CuteBackend(Backend[CutePlan]):
 
         device = tables.seq_lens.device
         config = self.config_for(problem, device)
-        kernels = prepare(problem, config)
+        kernels = prepare(problem, config, device)
         return CutePlan(problem, config, CuteWorkspace(problem, config, device), tables.rows, kernels)
 
     def run(self, plan: CutePlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:

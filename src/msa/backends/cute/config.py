@@ -9,8 +9,8 @@ from msa.problem import DecodeProblem
 
 __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
-    "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "EAGER_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
-    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS",
+    "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
+    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -39,10 +39,9 @@ CTAS_PER_SM = 3
 #: kernel: H200, M3 TP1, 64K contexts, benchmarks/bench_cute.py: B=1 (4 programs) Triton 13.3 us,
 #: cute 16.2; B=8 (32) Triton 24.6, cute 22.3.
 AUTO_MIN_PROGRAMS = 32
-#: An eager call (no CUDA graph) pays the DSL's host launch path, ~150-300 us on the H200's host
-#: (`msa bench` eager rows: B=1 324.3 us, B=64 160.3 us, B=256 166.2 us, against Triton's 13.4 /
-#: 66.5 / 209.2): `auto` takes eager steps only from this many programs (B = 256 at M3 TP1).
-EAGER_MIN_PROGRAMS = 1024
+#: The compiled host function's arguments, in order (`kernel.build`'s `host`): 15 addresses, the
+#: two host scale factors, 3 sizes, 16 strides, 4 sizes (the last is the row count), the stream.
+HOST_ARG_KINDS = ("i64",) * 15 + ("f32",) * 2 + ("i32",) * 3 + ("i64",) * 16 + ("i32",) * 4 + ("stream",)
 #: Each warp walks at least this many steps of a split (the prologue is paid per CTA).
 _MIN_STEPS_PER_WARP = 4
 

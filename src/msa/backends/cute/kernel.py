@@ -23,6 +23,7 @@ the same workspace partials as the Triton kernels, which the Triton merge kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -33,9 +34,17 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import DEFAULT_MIN_CTAS, DEFAULT_QK_CHAINS, DEFAULT_STAGES, SLOTS, STEP, WARPS
+from msa.backends.cute.config import (
+    DEFAULT_MIN_CTAS,
+    DEFAULT_QK_CHAINS,
+    DEFAULT_STAGES,
+    HOST_ARG_KINDS,
+    SLOTS,
+    STEP,
+    WARPS,
+)
 
-__all__ = ["KernelSpec", "build"]
+__all__ = ["KernelSpec", "build", "compile_args"]
 
 _NEG_INF = float("-inf")
 
@@ -162,6 +171,16 @@ def _value_operands(slot: Any, vis: Any, t4: Any, kind: str) -> list[tuple[Any, 
             for e in range(4):
                 vb[4 * w + e] = (pair0[e], pair1[e])
     return vb
+
+
+def compile_args() -> list[Any]:
+    """Placeholder values of the host function's arguments (`HOST_ARG_KINDS`), for `cute.compile`
+    (only their types matter: every value is a runtime argument)."""
+    from cutlass.runtime import make_fake_stream
+
+    sample: dict[str, Callable[[], Any]] = {"i64": lambda: Int64(0), "i32": lambda: Int32(1),
+                                            "f32": lambda: Float32(1.0), "stream": make_fake_stream}
+    return [sample[kind]() for kind in HOST_ARG_KINDS]
 
 
 def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out

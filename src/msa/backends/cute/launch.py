@@ -1,9 +1,11 @@
 """Host side of the CuTe DSL backend: the compile cache, the split count, the workspace and the
 launches (the decode kernel, then Triton's split merge when the step is split).
 
-Kernels are compiled on first use for the GPU they run on (`cute.compile`, one per
-`KernelSpec`), under a lock, and kept for the life of the process. Every argument the kernel
-takes is a device address, a stride or a size: one compiled kernel serves every batch size.
+Kernels are compiled on first use for the GPU they run on (`cute.compile`, one per `KernelSpec`
+and compute capability), under a lock, and kept for the life of the process. Every argument the
+kernel takes is a device address, a stride or a size: one compiled kernel serves every batch
+size. They are launched through `fastcall.PackedCall`, which packs the arguments itself instead
+of paying the DSL's per-call adaptation.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from typing import Any
 
 import torch
 
-from msa.backends.cute.config import KINDS, CuteConfig
+from msa.backends.cute.config import HOST_ARG_KINDS, KINDS, CuteConfig
+from msa.backends.cute.fastcall import PackedCall, packing_matches
 from msa.backends.triton.kernels import LOG2E, merge_kernel
 from msa.errors import MSAInputError
 from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
-from msa.validation import DecodeInputs
+from msa.validation import DecodeInputs, vector_misalignment
 
 __all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_for"]
 
@@ -26,7 +29,7 @@ _Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "
 _OUT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _lock = threading.Lock()
-_compiled: dict[Any, Any] = {}
+_compiled: dict[tuple[Any, tuple[int, int]], PackedCall] = {}
 
 
 class CuteWorkspace:
@@ -50,29 +53,32 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
                       with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains, config.min_ctas)
 
 
-def prepare(problem: DecodeProblem, config: CuteConfig) -> dict[bool, Any]:
-    """The compiled kernels a plan's `run` launches, by whether it writes the LSE (the output
-    dtype is the problem's: validation fixes it), compiled here so that no compilation, and no
-    cache lookup under the lock, happens in `run` (nor inside a graph capture)."""
-    return {with_lse: compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse))
-            for with_lse in (False, True)}
+def prepare(problem: DecodeProblem, config: CuteConfig, device: torch.device) -> dict[bool, Any]:
+    """The launches a plan's `run` makes, by whether the kernel writes the LSE (the output dtype is
+    the problem's: validation fixes it): compiled here, with the DSL's executor on `device` made
+    here too, so that no compilation, module load or cache lookup under the lock happens in `run`
+    (nor inside a graph capture)."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with torch.cuda.device(index):  # the DSL compiles for, and binds to, the current device
+        capability = torch.cuda.get_device_capability(index)
+        return {with_lse: compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse), capability)
+                .launcher(index) for with_lse in (False, True)}
 
 
-def compiled_kernel(spec: Any) -> Any:
-    """The compiled kernel of `spec` (compiled once per process, for the current GPU)."""
+def compiled_kernel(spec: Any, capability: tuple[int, int]) -> PackedCall:
+    """The compiled kernel of `spec` for GPUs of `capability` (compiled once per process, for the
+    current GPU, which must be of that capability), with whether msa may pack its arguments
+    (`fastcall.packing_matches`, checked once per compiled kernel)."""
     with _lock:
-        fn = _compiled.get(spec)
-        if fn is None:
+        call = _compiled.get((spec, capability))
+        if call is None:
             import cutlass.cute as cute
-            from cutlass import Float32, Int32, Int64
-            from cutlass.runtime import make_fake_stream
 
-            from msa.backends.cute.kernel import build
+            from msa.backends.cute.kernel import build, compile_args
 
-            args = [Int64(0)] * 15 + [Float32(1.0), Float32(1.0)] + [Int32(1)] * 3 + [Int64(0)] * 16 + [Int32(1)] * 4
-            fn = cute.compile(build(spec), *args, make_fake_stream())
-            _compiled[spec] = fn
-    return fn
+            fn = cute.compile(build(spec), *compile_args())
+            call = _compiled[(spec, capability)] = PackedCall(fn, HOST_ARG_KINDS, packing_matches(fn, HOST_ARG_KINDS))
+    return call
 
 
 def _scales(inputs: DecodeInputs, one: torch.Tensor) -> tuple[float, float, list[torch.Tensor]]:
@@ -108,14 +114,10 @@ def launch_cute(
     q, topk, table = inputs.q, inputs.topk_indices, inputs.block_table
     kv = problem.layout.kv_operands(inputs.kv_cache)
     k_base, v_base = kv.k.data_ptr(), kv.v.data_ptr() + kv.v_offset * kv.v.element_size()
-    for name, tensor, align in (("q", q, 4), ("out", out, 4)):
-        if tensor.data_ptr() % align or any(s * tensor.element_size() % align for s in tensor.stride()[:-1]):
-            raise MSAInputError(name, f"rows aligned to {align} bytes for the cute backend (the triton backend "
-                                "takes any)", f"address {tensor.data_ptr():#x}, strides {tensor.stride()}")
-    kept = 2 if problem.kv_layout == "nvfp4" else 3  # NVFP4 rows inside a head slot are the layout's own
-    if k_base % 16 or v_base % 16 or any(s % 16 for s in (*kv.k_strides[:kept], *kv.v_strides[:kept])):
-        raise MSAInputError("kv_cache", "16-byte aligned pages, heads and tokens for the cute backend (the triton "
-                            "backend takes any)", f"strides {kv.k_strides} / {kv.v_strides}")
+    misaligned = vector_misalignment(q, out, kv, problem.layout.block_scaled)
+    if misaligned is not None:  # the plan's problem assumed aligned runs; this one is not
+        name, expected, given = misaligned
+        raise MSAInputError(name, f"{expected} for the cute backend (the triton backend takes any)", given)
     qk, vs, scales = _scales(inputs, workspace.one)
     fn = kernels[lse is not None]
     lse_arg = lse if lse is not None else out
@@ -137,8 +139,6 @@ def launch_cute(
         )
 
 
-def _stream() -> Any:
-    """The current torch stream as the DSL's launch takes it."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+def _stream() -> int:
+    """The current torch stream's handle (what the kernel's last argument takes)."""
+    return int(torch.cuda.current_stream().cuda_stream)
