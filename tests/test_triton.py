@@ -228,3 +228,90 @@ def test_triton_without_lse(layout: str, splits: int, dedup: bool, gen: torch.Ge
     ref_out = msa.sparse_decode(**kw, backend="reference")
     assert not torch.isnan(out).any(), "unwritten (poisoned) elements"
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=2e-4)
+
+
+# ---- the in-kernel split merge (`in_kernel_merge`) ---------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_in_kernel_merge_matches_and_leaves_the_counters_at_zero(layout: str, with_lse: bool,
+                                                                 gen: torch.Generator) -> None:
+    """The last split of each program merges and zeroes its counter: the same plan runs again
+    (as a captured graph replays) on fresh data and still matches, with -1 entries, a row that
+    sees nothing and a partial last page."""
+    from msa.planning import StepTables
+
+    backend = TritonBackend(num_splits=4, in_kernel_merge=True)
+    plan = None
+    for _ in range(2):
+        built = build(Case(layout=layout, batch=3, query_len=2, topk=4, max_blocks=5, tensor_scales=True), gen)
+        kw = built.kwargs
+        ids = kw["topk_indices"].clone()
+        ids[0, 1, :2] = -1
+        kw["topk_indices"] = ids
+        kw["seq_lens"] = torch.tensor([37, 0, 150], dtype=torch.int32)[: kw["seq_lens"].shape[0]]
+        problem, inputs = check_decode_inputs(**kw, return_lse=with_lse)
+        if plan is None:
+            plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))
+            assert plan.config.num_splits == 4 and plan.config.in_kernel_merge
+        out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype)
+        lse = torch.full(kw["q"].shape[:2], float("nan")) if with_lse else None
+        backend.run(plan, inputs, out, lse)
+        assert (plan.workspace.counters == 0).all()
+        if lse is not None:
+            assert_matches_reference(kw, out, lse, rtol=2**-7)
+        else:
+            torch.testing.assert_close(out.float(), msa.sparse_decode(**kw, backend="reference").float(),
+                                       rtol=2**-7, atol=2e-4)
+
+
+def test_in_kernel_merge_is_per_token_only_and_for_few_splits() -> None:
+    """Dedup steps keep the merge kernel (their rows are not one program group's); by default a
+    per-token step merges in the kernel from 2 to IN_KERNEL_MERGE_MAX_SPLITS splits."""
+    from msa.backends.triton.config import IN_KERNEL_MERGE_MAX_SPLITS
+
+    g = msa.MINIMAX_M3
+    assert not choose_config(g, 8, 132, query_len=4, batch_size=2, dedup=True, num_splits=4,
+                             in_kernel_merge=True).in_kernel_merge
+    assert choose_config(g, 2, 132, num_splits=16, in_kernel_merge=True).in_kernel_merge
+    for rows in (1, 2, 8, 16, 24, 32, 64, 256):
+        config = choose_config(g, rows, 132, layout=msa.get_layout("fp8_e4m3"))
+        assert config.in_kernel_merge == (1 < config.num_splits <= IN_KERNEL_MERGE_MAX_SPLITS)
+        assert not choose_config(g, rows, 132, in_kernel_merge=False).in_kernel_merge
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bfloat16", "fp8_e4m3", "nvfp4"])
+def test_in_kernel_merge_replays_in_a_cuda_graph(layout: str) -> None:
+    """200 replays of a captured B=1 M3 step (16 splits, every split's partials merged by the last
+    to finish on another SM), each on fresh indices, against the two-kernel merge of the same
+    step: equal to the last bit but for summation order (fp32), every replay."""
+    from msa.planning import StepTables
+    from msa.workload import make_decode_step
+
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=1, context_len=128 * 64, kv_cache_dtype=layout,
+                            device="cuda", seed=3)
+    kw = step.kwargs()
+    problem, inputs = check_decode_inputs(**kw, return_lse=True)
+    tables = StepTables.for_inputs(problem, inputs)
+    fused, plain = TritonBackend(in_kernel_merge=True), TritonBackend()
+    plan_f, plan_p = fused.plan(problem, tables), plain.plan(problem, tables)
+    assert plan_f.config.num_splits > 1 and plan_f.config.in_kernel_merge
+    out_f, lse_f = torch.empty_like(kw["q"]), torch.empty(kw["q"].shape[:2], device="cuda")
+    out_p, lse_p = torch.empty_like(out_f), torch.empty_like(lse_f)
+    topk = inputs.topk_indices
+    for _ in range(2):  # compile and warm up outside the capture
+        fused.run(plan_f, inputs, out_f, lse_f)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.run(plan_f, inputs, out_f, lse_f)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    pages = kw["seq_lens"].max().item() // 128
+    for _ in range(200):
+        topk.copy_(torch.randperm(pages, device="cuda", generator=gen)[: topk.shape[-1]].int().expand_as(topk))
+        out_f.fill_(float("nan"))
+        graph.replay()
+        plain.run(plan_p, inputs, out_p, lse_p)
+        torch.testing.assert_close(out_f, out_p, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(lse_f, lse_p, rtol=1e-5, atol=1e-5)
+    assert (plan_f.workspace.counters == 0).all()

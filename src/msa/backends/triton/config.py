@@ -12,6 +12,14 @@ __all__ = ["LaunchConfig", "choose_config"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
 WAVES = 4
+#: The most splits a per-token step is merged with inside the decode kernel (the last split to
+#: finish merges, one launch) rather than by `merge_kernel`: the last split reads every split's
+#: partials alone, which costs more than the second launch saves once there are many. H200, M3
+#: TP1, 64K, graph replay (benchmarks/merge_in_kernel.py), two kernels -> in-kernel: 2 splits
+#: (bf16 B=48/64) 65.8 -> 63.6, 81.4 -> 79.0 us; 4 splits (B=24) fp8 33.9 -> 30.2, bf16 44.4 ->
+#: 40.8, nvfp4 42.2 -> 38.6; 8 splits (B=16) fp8 30.5 -> 30.3, bf16 34.3 -> 33.1, nvfp4 37.1 ->
+#: 38.9; 16 splits (B=1) fp8 11.8 -> 14.2, bf16 12.5 -> 14.3, nvfp4 12.9 -> 15.1.
+IN_KERNEL_MERGE_MAX_SPLITS = 4
 
 
 def _next_pow2(n: int) -> int:
@@ -39,6 +47,12 @@ class LaunchConfig:
     dedup: one program per (request, KV head, chunk of `tokens` query tokens) walks the union
         of the tokens' page lists, reading each page once (`token_chunks` chunks per request,
         `block_m` rows = tokens x GQA group, `entries_pad` list entries).
+    in_kernel_merge: a split per-token step is merged by the last of each program's splits to
+        finish (an atomic counter per program in the workspace), not by `merge_kernel`: one launch
+        instead of two (dedup steps always use `merge_kernel`). By default for 2 to
+        `IN_KERNEL_MERGE_MAX_SPLITS` splits.
+    merge_fence: with `in_kernel_merge`, every thread fences its partial stores at GPU scope before
+        the count (off only to show the race it prevents: benchmarks/merge_in_kernel.py).
     """
 
     block_n: int
@@ -57,6 +71,8 @@ class LaunchConfig:
     decode_asm: bool = True
     codes_rows: bool = True
     swap_ab: bool = False
+    in_kernel_merge: bool = False
+    merge_fence: bool = True
 
     @property
     def fused(self) -> bool:
@@ -80,6 +96,8 @@ def choose_config(
     decode_asm: bool = True,
     codes_rows: bool = True,
     swap_ab: bool = False,
+    in_kernel_merge: bool | None = None,
+    merge_fence: bool = True,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -149,6 +167,9 @@ def choose_config(
         decode_asm=decode_asm,
         codes_rows=codes_rows,
         swap_ab=swap_ab,
+        in_kernel_merge=not dedup and (1 < -(-tiles // per_split) <= IN_KERNEL_MERGE_MAX_SPLITS
+                                       if in_kernel_merge is None else in_kernel_merge),
+        merge_fence=merge_fence,
     )
 
 

@@ -17,7 +17,8 @@ tensors with `v_offset = 0`; NVFP4 reads a head slot from `k` / `v + v_offset`.
 
 All three decode kernels take the same named arguments (`launch.decode_args` builds them). With
 one split a program writes the normalised output (and the LSE); with several it writes its
-unnormalised accumulator and its running (max, sum) to a workspace that `merge_kernel` combines.
+unnormalised accumulator and its running (max, sum) to a workspace that `merge_kernel` combines
+(or, in the per-token kernels with `IN_KERNEL_MERGE`, the last split to finish: `_merge_if_last`).
 """
 
 from __future__ import annotations
@@ -224,6 +225,55 @@ def _store_odd(acc_odd, dh, l_i, v_scale, r, qh, mask, split, out_ptr, part_o_pt
         _store_partial(acc_odd, 2 * dh + 1, rows, mask, part_o_ptr, HEAD_DIM)
 
 
+@triton.jit
+def _fence_gpu(x):
+    """`fence.acq_rel.gpu` in every thread (a scalar is computed by all threads); returns `x`."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _merge_if_last(counter_ptr, r, qh, mask, v_scale, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr,
+                   stride_or, stride_oh, stride_lr, stride_lh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, FENCE: tl.constexpr):
+    """Split-K without a second kernel: the `NUM_SPLITS` programs of one (row, KV head, head
+    chunk) count themselves in at `counter_ptr[program_id(0)]`; the last to arrive combines every
+    split's partials, out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), and zeroes the
+    counter for the next launch (or graph replay).
+
+    The count is one atomic by one thread, so each thread first fences its own partial stores at
+    GPU scope (`FENCE`; a barrier alone orders them only within the CTA, and another SM could then
+    count in and read them stale). The interpreter runs programs one after another: no fence."""
+    pid = tl.program_id(0)
+    if FENCE:
+        pid = _fence_gpu(pid)
+    tl.debug_barrier()  # every thread's partials are stored (and fenced) before the count
+    done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        if FENCE:
+            pid = _fence_gpu(pid)
+        row = (r * NUM_Q_HEADS + qh) * NUM_SPLITS
+        m_max = tl.full(qh.shape, float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            m_s = tl.load(part_ml_ptr + (row + s) * 2, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m_s)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        d = tl.arange(0, HEAD_DIM)
+        total = tl.zeros(qh.shape, tl.float32)
+        acc = tl.zeros([qh.shape[0], HEAD_DIM], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            ml = part_ml_ptr + (row + s) * 2
+            w = tl.exp2(tl.load(ml, mask=mask, other=float("-inf"), cache_modifier=".cg") - m_safe)
+            total += tl.load(ml + 1, mask=mask, other=0.0, cache_modifier=".cg") * w
+            part = tl.load(part_o_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=mask[:, None], other=0.0,
+                           cache_modifier=".cg")
+            acc += part * w[:, None]
+        _store_out(acc, d, total, v_scale, r, qh, mask, out_ptr, stride_or, stride_oh)
+        if WRITE_LSE:
+            _store_lse(m_max, total, r, qh, mask, lse_ptr, stride_lr, stride_lh)
+        tl.atomic_xchg(counter_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
 # -- the decode kernels ----------------------------------------------------------------------
 
 @triton.jit
@@ -239,6 +289,7 @@ def split_decode_kernel(
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
+    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr,
 ):
     """Layouts of plain elements (bf16, fp16, fp8): K and V rows of `HEAD_DIM` elements."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
@@ -268,6 +319,10 @@ def split_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
     _store_result(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
+    if IN_KERNEL_MERGE:
+        _merge_if_last(counter_ptr, r, qh, g_mask, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, stride_or,
+                       stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE,
+                       MERGE_FENCE)
 
 
 @triton.jit
@@ -334,6 +389,7 @@ def nvfp4_decode_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
     CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
+    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -355,6 +411,10 @@ def nvfp4_decode_kernel(
     # the odd columns: the statistics were written with the even ones
     _store_odd(acc_odd, dh, l_i, vs, r, qh, g_mask, split, out_ptr, part_o_ptr, stride_or, stride_oh,
                NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS)
+    if IN_KERNEL_MERGE:
+        _merge_if_last(counter_ptr, r, qh, g_mask, vs, part_o_ptr, part_ml_ptr, out_ptr, lse_ptr, stride_or,
+                       stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE,
+                       MERGE_FENCE)
 
 
 @triton.jit

@@ -50,13 +50,25 @@ def interpreting() -> bool:
 
 
 class Workspace:
-    """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]` and (max, sum) pairs `[B*L*Hq*S, 2]`."""
+    """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]` and (max, sum) pairs `[B*L*Hq*S, 2]`;
+    with `in_kernel_merge`, one int32 counter per program (zero between launches: the merging
+    split resets it)."""
 
     def __init__(self, problem: DecodeProblem, config: LaunchConfig, device: torch.device) -> None:
         rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits
         size = rows if config.num_splits > 1 else 0
         self.partial_out = torch.empty((size, problem.geometry.head_dim), dtype=torch.float32, device=device)
         self.partial_ml = torch.empty((size, 2), dtype=torch.float32, device=device)
+        counted = config.in_kernel_merge and config.num_splits > 1
+        self.counters = torch.zeros(_programs(problem, config) if counted else 1, dtype=torch.int32, device=device)
+
+
+def _programs(problem: DecodeProblem, config: LaunchConfig) -> int:
+    """Programs along the decode grid's first axis (the splits are its second)."""
+    g = problem.geometry
+    if config.dedup:
+        return problem.batch_size * g.num_kv_heads * config.token_chunks
+    return problem.num_rows * g.num_kv_heads * config.group_chunks
 
 
 @attrs.frozen
@@ -243,14 +255,16 @@ def _launches(
     """The kernels of a step, each with the function that turns the decode arguments into its own."""
     g = problem.geometry
     launches: list[_Launch] = []
+    grid = (_programs(problem, config), config.num_splits)
+    merged = config.in_kernel_merge and config.num_splits > 1
     if config.dedup:
-        grid = (problem.batch_size * g.num_kv_heads * config.token_chunks, config.num_splits)
         launches.append((_Kernel(split_dedup_kernel, grid), lambda a: a))
     else:
         kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
-        grid = (problem.num_rows * g.num_kv_heads * config.group_chunks, config.num_splits)
-        launches.append((_Kernel(kernel, grid), lambda a: a))
-    if config.num_splits > 1:
+        merge_args = dict(counter_ptr=workspace.counters, IN_KERNEL_MERGE=merged,
+                          MERGE_FENCE=config.merge_fence and not interpreting())
+        launches.append((_Kernel(kernel, grid), lambda a: dict(a, **merge_args)))
+    if config.num_splits > 1 and not merged:
         merge_constants = dict(
             part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml, q_pos_ptr=rows.q_pos,
             NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
@@ -280,8 +294,8 @@ def launch_decode(
     workspace: Workspace,
     memo: LaunchMemo | None = None,
 ) -> None:
-    """Run the decode kernel (and the merge when split) into `out` / `lse`. Allocates nothing
-    and never synchronises: every buffer is the caller's or the plan's."""
+    """Run the decode kernel (and the merge when split, unless the kernel merges) into `out` /
+    `lse`. Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
     if problem.num_rows == 0:
         return
     entry = memo.get(inputs.signature) if memo is not None else None
