@@ -1,9 +1,9 @@
 """Kernel variants for the memory-bound targets, checked and timed in one run (GPU):
 
     PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--layouts nvfp4,fp8_e4m3] [--batches 64,256] \
-        [--variant '{"num_splits": 2}' ...]
+        [--query-len 4 --overlap 0.8] [--variant '{"num_splits": 2}' ...]
 
-For each layout and batch (M3 TP1, 64K contexts, L = 1): the default launch configuration and
+For each layout and batch (M3 TP1, 64K contexts, L = 1 unless `--query-len`): the default launch configuration and
 variants of tile size, warps, pipeline stages and (NVFP4) the packed PTX decode, each compared
 with the reference on the same step (max abs error) and timed as L2-flushed CUDA-graph replays;
 the copy bandwidth is measured in the same run. Prints a table, writes tune_kernels.json.
@@ -45,11 +45,12 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def prepare_case(step: Any, batch: int, gen: torch.Generator) -> tuple[int, torch.Tensor, Any, Any, StepTables,
-                                                                        torch.Tensor]:
-    """The first `batch` requests of `step` (L = 1, fresh q and indices): (bytes the step moves,
-    the reference output, problem, inputs, tables, an output buffer)."""
-    kw = _case(step, batch, 1, gen)
+def prepare_case(step: Any, batch: int, gen: torch.Generator, query_len: int = 1,
+                 overlap: float | None = None) -> tuple[int, torch.Tensor, Any, Any, StepTables, torch.Tensor]:
+    """The first `batch` requests of `step` (`query_len` tokens each, fresh q and indices; with
+    `overlap`, that share of each token's pages are its predecessor's): (bytes the step moves, the
+    reference output, problem, inputs, tables, an output buffer)."""
+    kw = _case(step, batch, query_len, gen, overlap)
     problem, inputs = check_decode_inputs(**kw)
     out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
     return (step_bytes(kw, step), msa.sparse_decode(**kw, backend="reference"), problem, inputs,
@@ -69,14 +70,15 @@ def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: St
     return plan, err, timer.graph(run)
 
 
-def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator) -> Iterator[tuple[str, int, Any]]:
-    """(layout, batch, `prepare_case` of it) for M3 TP1 at 64K contexts, L = 1: one cache per
-    layout (sized for the largest batch), freed before the next."""
+def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator, query_len: int = 1,
+             overlap: float | None = None) -> Iterator[tuple[str, int, Any]]:
+    """(layout, batch, `prepare_case` of it) for M3 TP1 at 64K contexts: one cache per layout
+    (sized for the largest batch), freed before the next."""
     for layout in layouts:
-        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), context_len=65536, kv_cache_dtype=layout,
-                                device="cuda", seed=0)
+        step = make_decode_step(msa.MINIMAX_M3, batch_size=max(batches), decode_query_len=query_len,
+                                context_len=65536, kv_cache_dtype=layout, device="cuda", seed=0)
         for batch in batches:
-            yield layout, batch, prepare_case(step, batch, gen)
+            yield layout, batch, prepare_case(step, batch, gen, query_len, overlap)
         del step
         torch.cuda.empty_cache()
 
@@ -98,6 +100,9 @@ def main() -> None:
     parser.add_argument("--layouts", default="nvfp4,fp8_e4m3")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--query-len", type=int, default=1)
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="share of each token's pages that are its predecessor's (L > 1)")
     parser.add_argument("--variant", action="append", default=[],
                         help="JSON launch-config overrides to time instead of the built-in list (repeatable)")
     args = parser.parse_args()
@@ -106,7 +111,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen):
+    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap):
         n_bytes = case[0]
         variants: list[dict[str, Any]] = [{}, *([json.loads(v) for v in args.variant] or VARIANTS[layout])]
         for overrides in variants:
@@ -117,7 +122,7 @@ def main() -> None:
             c = plan.config
             row = dict(layout=layout, batch=batch, variant=overrides or "default", us=us,
                        frac_copy=n_bytes / us / 1e3 / copy, err=err, block_n=c.block_n, warps=c.num_warps,
-                       stages=c.num_stages, splits=c.num_splits, decode_asm=c.decode_asm)
+                       stages=c.num_stages, splits=c.num_splits, decode_asm=c.decode_asm, dedup=c.dedup)
             rows.append(row)
             print(f"{layout:9s} B={batch:3d} {str(row['variant']):70s} {us:8.1f} us "
                   f"{row['frac_copy']:.2f} err {err:.1e}", flush=True)

@@ -315,3 +315,14 @@ def test_in_kernel_merge_replays_in_a_cuda_graph(layout: str) -> None:
         torch.testing.assert_close(out_f, out_p, rtol=2**-7, atol=1e-3)
         torch.testing.assert_close(lse_f, lse_p, rtol=1e-5, atol=1e-5)
     assert (plan_f.workspace.counters == 0).all()
+
+
+def test_dedup_programs_take_the_measured_tiles_and_stages() -> None:
+    """The dedup program: 3 pipeline stages for every layout, 64-token tiles for bf16/fp16
+    caches (whose 64-row programs ran 1.5x faster so on the H200), whole pages otherwise."""
+    g = msa.MINIMAX_M3
+    for layout, block_n in (("bfloat16", 64), ("float16", 64), ("fp8_e4m3", 128), ("nvfp4", 128)):
+        config = choose_config(g, 128 * 4, 132, layout=msa.get_layout(layout), batch_size=128, query_len=4)
+        assert config.dedup and (config.block_n, config.num_stages) == (block_n, 3), layout
+        per_token = choose_config(g, 128, 132, layout=msa.get_layout(layout), batch_size=128, query_len=1)
+        assert not per_token.dedup and per_token.block_n == 128

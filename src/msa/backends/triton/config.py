@@ -136,7 +136,10 @@ def choose_config(
         # -> 15.7, 18.6 -> 17.9, 21.2 -> 17.0; at B=8 (16 splits) only nvfp4 gains (27.7 -> 24.8 us;
         # fp8 21.9 -> 22.7, bf16 23.5 -> 24.6 us)
         one_page_each = num_splits >= g.topk if layout.block_scaled else num_splits > g.topk
-        whole_pages = (num_splits == 1 or one_page_each) and g.head_dim <= 128
+        # the dedup program of bf16/fp16 caches (64 query rows) takes 64-token tiles, 3 stages
+        # (H200, L = 4, 80% overlap, B = 128: 381.6 us with 128-token tiles and 2 stages, 315.2
+        # with 3 stages, 256.3 with both; B = 64 176.6 -> 157.5 us)
+        whole_pages = (num_splits == 1 or one_page_each) and g.head_dim <= 128 and not (dedup and not quantized)
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
@@ -155,8 +158,10 @@ def choose_config(
         # 4 warps for whole bf16 pages too (H200, tune_kernels.py: 255 vs 313 us at B=256)
         num_warps=num_warps if num_warps is not None else (8 if block_m * g.head_dim > 8192 else 4),
         # NVFP4 in one fused pass: 2 stages (H200, tune_kernels.py: 79 vs 89 us at B=64)
+        # the dedup program: 3 stages for every layout (H200, L = 4, 80% overlap: NVFP4 B = 64 / 128
+        # 167.1 / 305.1 us with 2, 157.8 / 292.3 with 3; fp8 already 3, 4 is slower: 173.7 us)
         num_stages=num_stages if num_stages is not None else (
-            2 if layout.block_scaled and num_splits == 1 else 3 if quantized else 2
+            3 if dedup else 2 if layout.block_scaled and num_splits == 1 else 3 if quantized else 2
         ),
         compute=compute if compute is not None else "fp16",
         dedup=dedup,
@@ -184,10 +189,11 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
     indices): dedup for L = 3 or 4 once (request, KV head) programs fill the SMs.
 
     Measured on the H200 (M3 TP1, 64K contexts; benchmarks/RESULTS.md, speed-up over
-    per-token): at L = 4 and ~80% page overlap 1.29x (B=64) and 1.43x (B=128) for fp8, 1.18x and
-    1.07x for bf16, 1.21x and 1.27x for NVFP4, but 0.62x / 0.82x at B=16 (too few programs); at
-    L = 2 0.79x..1.09x; at L = 8 0.26x..1.18x. Without overlap at L = 4 it is 0.75x (fp8) / 0.83x
-    (bf16) / 0.73x (NVFP4) at B=64: the price of choosing it without seeing the indices."""
+    per-token): at L = 4 and ~80% page overlap 1.21x (B=64) and 1.32x (B=128) for fp8, 1.24x and
+    1.47x for bf16, 1.31x and 1.33x for NVFP4 (with the dedup tiles and stages of `choose_config`),
+    but 0.62x / 0.82x at B=16 (too few programs); at L = 2 0.79x..1.09x; at L = 8 0.26x..1.18x.
+    Without overlap at L = 4 it is 0.75x (fp8) / 0.88x-0.94x (bf16) / 0.76x (NVFP4) at B = 64-128:
+    the price of choosing it without seeing the indices."""
     return (
         dedup_supported(geometry, layout, query_len)
         and 3 <= query_len <= 4
