@@ -7,9 +7,10 @@ any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
 The kernel decodes each thread's share of the code bytes straight into tensor-core operand
 registers (`kernel.py` says how); the Triton backend stays the portable default. `auto` takes
 this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs, eager or
-captured in CUDA graphs alike (launches pack their own arguments: `fastcall`), where it measured
-faster than the Triton kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was
-measured nowhere else); requested by name it runs any step it supports."""
+captured in CUDA graphs alike (launches pack their own arguments: `fastcall`), except
+multi-token steps the Triton dedup kernel serves, where it measured faster than the Triton
+kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was measured nowhere else);
+requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from msa.backends.cute.config import (
     max_stages,
     programs,
 )
+from msa.backends.triton.config import dedup_pays
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -89,6 +91,10 @@ class CuteBackend(Backend[CutePlan]):
         if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
+        if not requested and dedup_pays(g, problem.layout, problem.query_len, problem.batch_size,
+                                        platform.sm_count):
+            reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
+                           "faster than this per-token kernel at 80% page overlap)")
         if not requested and platform.capability is not None and platform.capability[0] != 9:
             reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
         return reasons
