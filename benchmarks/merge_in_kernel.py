@@ -1,14 +1,15 @@
 """Split-K merged by the last split to finish, against the separate merge kernel (GPU):
 
     PYTHONPATH=src:benchmarks python3 benchmarks/merge_in_kernel.py --out DIR [--layouts fp8_e4m3,bfloat16,nvfp4] \
-        [--batches 1,8,32] [--replays 20000]
+        [--batches 1,8,32] [--replays 20000] [--rounds 1]
 
 For each layout and batch (M3 TP1, 64K contexts, L = 1, steps the heuristic splits):
 
-1. time, as L2-flushed CUDA-graph replays, each checked against the reference: the two-kernel
-   step (decode, then `merge_kernel`), the decode kernel alone, the merge kernel alone, the
-   in-kernel merge with the GPU-scope fence and without it, and one / two empty kernels (the
-   floor of a one- and a two-launch graph);
+1. time, as L2-flushed CUDA-graph replays (`--rounds` times, interleaved; the median and the
+   range), each checked against the reference: the two-kernel step (decode, then
+   `merge_kernel`), the in-kernel merge with the GPU-scope fence and without it; then the decode
+   kernel alone, the merge kernel alone, and one / two empty kernels (the floor of a one- and a
+   two-launch graph);
 2. replay the captured in-kernel step `--replays` times on fixed inputs, poisoning the output
    before each replay, and count the replays whose output differs from the two-kernel result by
    more than 1e-3: a stale partial read by the merging split shows up there.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--replays", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved "
+                        "(the median is reported, and the range)")
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -77,21 +81,27 @@ def main() -> None:
     for layout, batch, case in m3_cases(args.layouts.split(","), [int(b) for b in args.batches.split(",")], gen):
         times: dict[str, Any] = {}
         expect = None
-        for name, overrides in VARIANTS.items():
-            timed = try_check_and_time(f"{layout} B={batch} {name}", TritonBackend(**overrides), case, timer)
-            if timed is None:
-                continue
-            plan, err, us = timed
-            times[name] = dict(us=us, err=err, splits=plan.config.num_splits)
-            if name == "two kernels":
-                expect = case[-1].float().clone()
-                parts = _kernel_parts(plan, case[3], case[-1])
-                times["decode kernel alone"] = dict(us=timer.graph(parts[0]))
-                if len(parts) > 1:
-                    times["merge kernel alone"] = dict(us=timer.graph(parts[1]))
+        for round_ in range(args.rounds):  # the variants interleaved, each checked every round
+            for name, overrides in VARIANTS.items():
+                timed = try_check_and_time(f"{layout} B={batch} {name}", TritonBackend(**overrides), case, timer)
+                if timed is None:
+                    continue
+                plan, err, us = timed
+                entry = times.setdefault(name, dict(samples=[], err=0.0, splits=plan.config.num_splits))
+                entry["samples"].append(us)
+                entry["err"] = max(entry["err"], err)
+                entry["us"] = statistics.median(entry["samples"])
+                if name == "two kernels" and round_ == 0:
+                    expect = case[-1].float().clone()
+                    parts = _kernel_parts(plan, case[3], case[-1])
+                    times["decode kernel alone"] = dict(us=timer.graph(parts[0]))
+                    if len(parts) > 1:
+                        times["merge kernel alone"] = dict(us=timer.graph(parts[1]))
         for name, value in times.items():
             rows.append(dict(layout=layout, batch=batch, variant=name, **value))
-            print(f"{layout:9s} B={batch:3d} {name:22s} {value['us']:7.1f} us"
+            spread = (f" ({min(value['samples']):.1f}-{max(value['samples']):.1f})" if len(value.get("samples", [])) > 1
+                      else "")
+            print(f"{layout:9s} B={batch:3d} {name:22s} {value['us']:7.1f} us{spread}"
                   + (f"  err {value['err']:.1e} splits {value['splits']}" if "err" in value else ""), flush=True)
         if expect is not None and times.get("two kernels", {}).get("splits", 1) > 1:
             for name in ("in-kernel, fenced", "in-kernel, no fence"):
