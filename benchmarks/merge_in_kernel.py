@@ -11,8 +11,9 @@ For each layout and batch (M3 TP1, 64K contexts, L = 1, steps the heuristic spli
    kernel alone, the merge kernel alone, and one / two empty kernels (the floor of a one- and a
    two-launch graph);
 2. replay the captured in-kernel step `--replays` times on fixed inputs, poisoning the output
-   before each replay, and count the replays whose output differs from the two-kernel result by
-   more than 1e-3: a stale partial read by the merging split shows up there.
+   and the split partials before each replay, and count the replays whose output differs from
+   the two-kernel result by more than 1e-3: a partial read by the merging split before it
+   landed shows up there as NaN.
 
 Writes merge_in_kernel.json and prints two tables.
 """
@@ -55,6 +56,11 @@ def _wrong_replays(backend: TritonBackend, case: Any, expect: torch.Tensor, repl
     wrong = torch.zeros((), dtype=torch.int32, device="cuda")
     for _ in range(replays):
         out.fill_(float("nan"))
+        # poisoned partials: a split that read another's partials before they landed would read
+        # NaN (with fixed inputs the previous replay's partials equal this one's, so a stale read
+        # would otherwise go unseen)
+        plan.workspace.partial_out.fill_(float("nan"))
+        plan.workspace.partial_ml.fill_(float("nan"))
         graph.replay()
         diff = (out.float() - expect).abs().amax()
         wrong += (~(diff <= 1e-3)).int()

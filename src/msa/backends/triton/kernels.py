@@ -238,8 +238,10 @@ def _merge_if_last(counter_ptr, r, qh, mask, v_scale, part_o_ptr, part_ml_ptr, o
                    NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, FENCE: tl.constexpr):
     """Split-K without a second kernel: the `NUM_SPLITS` programs of one (row, KV head, head
     chunk) count themselves in at `counter_ptr[program_id(0)]`; the last to arrive combines every
-    split's partials, out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), and zeroes the
-    counter for the next launch (or graph replay).
+    split's partials, out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), and takes
+    `NUM_SPLITS` off the counter, which is zero again once a launch is done. Counting modulo
+    `NUM_SPLITS` and subtracting (not zeroing) keeps the counter right even if two launches of
+    one plan ever overlapped (two streams): their results would be wrong, later ones not.
 
     The count is one atomic by one thread, so each thread first fences its own partial stores at
     GPU scope (`FENCE`; a barrier alone orders them only within the CTA, and another SM could then
@@ -249,7 +251,7 @@ def _merge_if_last(counter_ptr, r, qh, mask, v_scale, part_o_ptr, part_ml_ptr, o
         pid = _fence_gpu(pid)
     tl.debug_barrier()  # every thread's partials are stored (and fenced) before the count
     done = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
+    if done % NUM_SPLITS == NUM_SPLITS - 1:
         if FENCE:
             pid = _fence_gpu(pid)
         row = (r * NUM_Q_HEADS + qh) * NUM_SPLITS
@@ -271,7 +273,7 @@ def _merge_if_last(counter_ptr, r, qh, mask, v_scale, part_o_ptr, part_ml_ptr, o
         _store_out(acc, d, total, v_scale, r, qh, mask, out_ptr, stride_or, stride_oh)
         if WRITE_LSE:
             _store_lse(m_max, total, r, qh, mask, lse_ptr, stride_lr, stride_lh)
-        tl.atomic_xchg(counter_ptr + pid, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(counter_ptr + pid, -NUM_SPLITS, sem="relaxed", scope="gpu")
 
 
 # -- the decode kernels ----------------------------------------------------------------------
