@@ -27,6 +27,7 @@ from msa.backends.cute.config import (
     CTAS_PER_SM,
     DEFAULT_MIN_CTAS,
     HOST_ARG_KINDS,
+    VERIFIED_DSL_VERSIONS,
     WIDE_MIN_CTAS,
     choose_min_ctas,
     choose_splits,
@@ -178,7 +179,7 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pyt
     problem, inputs = check_decode_inputs(**step.kwargs(), return_lse=with_lse)
     calls: dict[bool, list[tuple[Any, ...]]] = {False: [], True: []}
     kernels = {flag: (lambda *args, flag=flag: calls[flag].append(args)) for flag in (False, True)}
-    monkeypatch.setattr(launch, "_stream", lambda: 0x5EED)
+    monkeypatch.setattr(launch, "_stream", lambda device: 0x5EED)
     config = CuteBackend(num_splits=1).config_for(problem, torch.device("cpu"))
     out = torch.empty(inputs.q.shape, dtype=torch.bfloat16)
     lse = torch.empty(inputs.q.shape[:2]) if with_lse else None
@@ -238,8 +239,9 @@ def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> Non
 def test_packed_call_launches_through_the_dsls_executor(compiled_host: Any, packed: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`PackedCall` hands the executor of its device one pointer per argument to the caller's
-    values (packed), or calls the compiled function itself with a DSL stream (not packed); the
-    executor is made once per device. The compiled launch itself is intercepted (no GPU here)."""
+    values (packed), or calls that executor with the values and a DSL stream (not packed: the
+    DSL adapts them); either way the executor is made once per device, for that device. The
+    compiled launch itself is intercepted (no GPU here)."""
     seen: list[Any] = []
     devices: list[int] = []
 
@@ -247,21 +249,24 @@ def test_packed_call_launches_through_the_dsls_executor(compiled_host: Any, pack
         def run_compiled_program(self, pointers: list[int]) -> None:
             seen.append([_read(k, a) for k, a in zip(HOST_ARG_KINDS, pointers, strict=True)])
 
+        def __call__(self, *args: Any) -> None:
+            seen.append(list(args))
+
     def to(device: int) -> Executor:
         devices.append(device)
         return Executor()
 
     monkeypatch.setattr(compiled_host, "to", to)
-    monkeypatch.setattr(type(compiled_host), "__call__", lambda self, *a: seen.append(list(a)))
     call = fastcall.PackedCall(compiled_host, HOST_ARG_KINDS, packed)
     values = _random_values(HOST_ARG_KINDS, random.Random())
     for _ in range(2):
         call.launcher(3)(*values)
     assert call.launcher(3) is call.launcher(3)
+    call.launcher(5)
+    assert devices == [3, 5] and len(seen) == 2
     if packed:
-        assert devices == [3] and seen == [values, values]
+        assert seen == [values, values]
     else:
-        assert not devices and len(seen) == 2
         assert seen[0][:-1] == values[:-1] and int(seen[0][-1]) == values[-1]
 
 
@@ -296,3 +301,28 @@ def test_auto_leaves_dedup_steps_to_the_triton_dedup_kernel() -> None:
     assert not backend.problem_reasons(dedup_step, _hopper(), requested=True)
     assert not backend.problem_reasons(_problem(16, query_len=4), _hopper())  # 64 programs < 132 SMs
     assert not backend.problem_reasons(_problem(64, query_len=2), _hopper())  # L = 2: per token
+
+
+
+@pytest.mark.parametrize("env, refused", [("0", False), ("1", True)])
+def test_auto_follows_msa_triton_dedup(env: str, refused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MSA_TRITON_DEDUP=0` (per-token everywhere) leaves those steps to this faster per-token
+    kernel; `=1` leaves every multi-token step Triton can dedup to Triton."""
+    monkeypatch.setenv("MSA_TRITON_DEDUP", env)
+    for batch in (16, 64):
+        reasons = CuteBackend().problem_reasons(_problem(batch, query_len=4), _hopper())
+        assert any("dedup" in r for r in reasons) == refused
+
+
+def test_auto_keeps_eager_steps_from_an_unverified_dsl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed launch was verified on the listed DSL versions; with another one a launch may
+    take the DSL's slow path, so `auto` takes only steps that will be captured in graphs."""
+    import msa.backends.cute as cute_module
+
+    monkeypatch.setattr(cute_module, "dsl_version", lambda: "4.8.9")
+    backend = CuteBackend()
+    assert any("4.8.9" in r for r in backend.problem_reasons(_problem(64, graph_capture=False), _hopper()))
+    assert not backend.problem_reasons(_problem(64, graph_capture=True), _hopper())
+    assert not backend.problem_reasons(_problem(64, graph_capture=False), _hopper(), requested=True)
+    monkeypatch.setattr(cute_module, "dsl_version", lambda: sorted(VERIFIED_DSL_VERSIONS)[0])
+    assert not backend.problem_reasons(_problem(64, graph_capture=False), _hopper())

@@ -14,6 +14,8 @@ requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from typing import Any
 
 import attrs
@@ -26,19 +28,29 @@ from msa.backends.cute.config import (
     DEFAULT_QK_CHAINS,
     DEFAULT_STAGES,
     KINDS,
+    VERIFIED_DSL_VERSIONS,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
     max_stages,
     programs,
 )
-from msa.backends.triton.config import dedup_pays
+from msa.backends.triton.config import dedup_pays, dedup_supported, dedup_wanted
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
-__all__ = ["CuteBackend", "CutePlan"]
+__all__ = ["CuteBackend", "CutePlan", "dsl_version"]
+
+
+@functools.cache
+def dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl's version (None: not installed)."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @attrs.frozen(eq=False)
@@ -91,8 +103,16 @@ class CuteBackend(Backend[CutePlan]):
         if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
-        if not requested and dedup_pays(g, problem.layout, problem.query_len, problem.batch_size,
-                                        platform.sm_count):
+        version = dsl_version()
+        unverified = version is not None and version not in VERIFIED_DSL_VERSIONS
+        if not requested and not problem.graph_capture and unverified:
+            reasons.append(f"auto: an eager step with nvidia-cutlass-dsl {version}, whose launch path msa has not "
+                           "verified (it may cost ~150-300 us a call); declare graph_capture=True or request it "
+                           "by name")
+        wanted = dedup_wanted()  # MSA_TRITON_DEDUP, else the shape policy
+        dedup = (dedup_supported(g, problem.layout, problem.query_len) if wanted else wanted is None and
+                 dedup_pays(g, problem.layout, problem.query_len, problem.batch_size, platform.sm_count))
+        if not requested and dedup:
             reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
                            "faster than this per-token kernel at 80% page overlap)")
         if not requested and platform.capability is not None and platform.capability[0] != 9:

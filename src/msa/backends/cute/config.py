@@ -10,7 +10,7 @@ from msa.problem import DecodeProblem
 __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
-    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS",
+    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -42,6 +42,10 @@ AUTO_MIN_PROGRAMS = 32
 #: The compiled host function's arguments, in order (`kernel.build`'s `host`): 15 addresses, the
 #: two host scale factors, 3 sizes, 16 strides, 4 sizes (the last is the row count), the stream.
 HOST_ARG_KINDS = ("i64",) * 15 + ("f32",) * 2 + ("i32",) * 3 + ("i64",) * 16 + ("i32",) * 4 + ("stream",)
+#: nvidia-cutlass-dsl versions whose host argument adaptation `fastcall` was verified against (on
+#: the H200: eager calls at graph-replay cost). Elsewhere a launch may take the DSL's own path
+#: (~150-300 us a call), so `auto` takes only steps that will be captured in graphs.
+VERIFIED_DSL_VERSIONS = frozenset({"4.8.1"})
 #: Each warp walks at least this many steps of a split (the prologue is paid per CTA).
 _MIN_STEPS_PER_WARP = 4
 

@@ -91,8 +91,8 @@ class PackedCall:
         self._lock = threading.Lock()
 
     def launcher(self, device: int) -> Callable[..., None]:
-        """The launch on CUDA device `device` (the DSL's executor there, its kernels fetched and
-        their attributes set, is made once per device)."""
+        """The launch on CUDA device `device` through the DSL's executor there (its kernels
+        fetched and their attributes set), made once per device, packed or not."""
         with self._lock:
             launch = self._launchers.get(device)
             if launch is None:
@@ -100,12 +100,12 @@ class PackedCall:
         return launch
 
     def _make(self, device: int) -> Callable[..., None]:
-        fn = self.fn
+        executor = self.fn.to(device)
         if not self.packed:
             def slow(*values: int | float) -> None:
-                fn(*values[:-1], _cu_stream(int(values[-1])))
+                executor(*values[:-1], _cu_stream(int(values[-1])))
             return slow
-        run = fn.to(device).run_compiled_program
+        run = executor.run_compiled_program
         struct, offsets = self._struct, self._offsets
 
         def fast(*values: int | float) -> None:

@@ -5,7 +5,6 @@ any top-k, natural-log LSE. Runs on CUDA GPUs (compute capability >= 8.0), and o
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import attrs
@@ -13,7 +12,7 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.backends.triton.config import LaunchConfig, choose_config
+from msa.backends.triton.config import LaunchConfig, choose_config, dedup_wanted
 from msa.backends.triton.launch import LaunchMemo, Workspace, launch_decode
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
@@ -68,9 +67,9 @@ class TritonBackend(Backend[TritonPlan]):
         per-token strategy for multi-token steps (constructor overrides win)."""
         sm_count = detect(device).sm_count
         overrides = dict(self.config_overrides)
-        env = os.environ.get("MSA_TRITON_DEDUP", "")
-        if env in ("0", "1") and "dedup" not in overrides:
-            overrides["dedup"] = env == "1"
+        wanted = dedup_wanted()
+        if wanted is not None and "dedup" not in overrides:
+            overrides["dedup"] = wanted
         return choose_config(
             problem.geometry,
             problem.num_rows,

@@ -3,12 +3,14 @@ CUDA graph captured for a shape stays valid whatever the lengths and indices hol
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from msa.layouts import BFLOAT16, KVLayout
 from msa.problem import Geometry
 
-__all__ = ["LaunchConfig", "choose_config"]
+__all__ = ["LaunchConfig", "choose_config", "dedup_wanted"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
 WAVES = 4
@@ -176,6 +178,13 @@ def choose_config(
                                        if in_kernel_merge is None else in_kernel_merge),
         merge_fence=merge_fence,
     )
+
+
+def dedup_wanted() -> bool | None:
+    """`MSA_TRITON_DEDUP`: "1" forces the dedup strategy for multi-token steps, "0" the per-token
+    one; None (unset): the shape policy (`dedup_pays`) decides."""
+    env = os.environ.get("MSA_TRITON_DEDUP", "")
+    return env == "1" if env in ("0", "1") else None
 
 
 def dedup_supported(geometry: Geometry, layout: KVLayout, query_len: int) -> bool:
