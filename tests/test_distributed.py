@@ -224,3 +224,20 @@ def test_gloo_ranks_equal_single_process(world_size: int, seed: int, tmp_path: P
     assert not failures, f"{len(failures)} failure(s) over {world_size} ranks:\n" + "\n".join(failures)
     checks = [r["checks"] for r in results]
     assert min(checks) == max(checks) > 50, f"checks per rank: {checks}"
+
+
+def test_the_planners_options_reach_the_ranks_planner(tmp_path: Path) -> None:
+    """kv_form, graph_capture and vector_aligned steer the backend choice of each rank's own
+    planner, as they do for `msa.DecodePlanner` (a one-process gloo group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        planner = dcp.DistributedDecodePlanner(msa.MINIMAX_M3, device="cpu", kv_form="separate",
+                                               graph_capture=True, vector_aligned=False)
+        local = planner.local
+        assert (local.kv_form, local.graph_capture, local.vector_aligned) == ("separate", True, False)
+        default = dcp.DistributedDecodePlanner(msa.MINIMAX_M3, device="cpu").local
+        assert (default.kv_form, default.graph_capture, default.vector_aligned) == ("packed", False, True)
+    finally:
+        dist.destroy_process_group()

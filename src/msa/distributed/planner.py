@@ -74,8 +74,9 @@ class DistributedDecodePlanner:
         scatter_heads: each rank keeps its `Hq / W` heads (`out` `[B*L, Hq/W, D]`).
         reduce_dtype: dtype of the summed partials for "reduce_scatter" / "all_reduce" (default
             fp32; bf16/fp16 halve those bytes at one rounding per rank).
-        kv_cache_dtype, backend, device, q_dtype, max_plans, platform, policy: as for
-            `msa.DecodePlanner` (the internal planner always returns the LSE).
+        kv_cache_dtype, backend, device, q_dtype, max_plans, platform, policy, kv_form,
+            graph_capture, vector_aligned: as for `msa.DecodePlanner` (the internal planner
+            always returns the LSE).
 
     Every rank makes the same calls in the same order: `run` is a collective.
     """
@@ -95,6 +96,9 @@ class DistributedDecodePlanner:
         max_plans: int = 128,
         platform: Platform | None = None,
         policy: SelectionPolicy | None = None,
+        kv_form: str = "packed",
+        graph_capture: bool = False,
+        vector_aligned: bool = True,
     ) -> None:
         check_flag("scatter_heads", scatter_heads)
         self.method = check_method(
@@ -102,7 +106,8 @@ class DistributedDecodePlanner:
         )
         self.local = DecodePlanner(
             geometry, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, q_dtype=q_dtype,
-            with_lse=True, max_plans=max_plans, platform=platform, policy=policy,
+            with_lse=True, max_plans=max_plans, platform=platform, policy=policy, kv_form=kv_form,
+            graph_capture=graph_capture, vector_aligned=vector_aligned,
         )
         self.info: GroupInfo = group_info(group)
         w = self.info.world_size
