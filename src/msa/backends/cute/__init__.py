@@ -35,7 +35,7 @@ from msa.backends.cute.config import (
     max_stages,
     programs,
 )
-from msa.backends.triton.config import dedup_pays, dedup_supported, dedup_wanted
+from msa.backends.triton.config import dedup_wanted, uses_dedup
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -109,9 +109,8 @@ class CuteBackend(Backend[CutePlan]):
             reasons.append(f"auto: an eager step with nvidia-cutlass-dsl {version}, whose launch path msa has not "
                            "verified (it may cost ~150-300 us a call); declare graph_capture=True or request it "
                            "by name")
-        wanted = dedup_wanted()  # MSA_TRITON_DEDUP, else the shape policy
-        dedup = (dedup_supported(g, problem.layout, problem.query_len) if wanted else wanted is None and
-                 dedup_pays(g, problem.layout, problem.query_len, problem.batch_size, platform.sm_count))
+        dedup = uses_dedup(g, problem.layout, problem.query_len, problem.batch_size, platform.sm_count,
+                           dedup_wanted())  # the Triton backend's choice for the step
         if not requested and dedup:
             reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
                            "faster than this per-token kernel at 80% page overlap)")

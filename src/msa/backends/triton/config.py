@@ -10,7 +10,7 @@ import attrs
 from msa.layouts import BFLOAT16, KVLayout
 from msa.problem import Geometry
 
-__all__ = ["LaunchConfig", "choose_config", "dedup_wanted"]
+__all__ = ["LaunchConfig", "choose_config", "dedup_wanted", "uses_dedup"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
 WAVES = 4
@@ -51,8 +51,8 @@ class LaunchConfig:
         `block_m` rows = tokens x GQA group, `entries_pad` list entries).
     in_kernel_merge: a split per-token step is merged by the last of each program's splits to
         finish (an atomic counter per program in the workspace), not by `merge_kernel`: one launch
-        instead of two (dedup steps always use `merge_kernel`). By default for 2 to
-        `IN_KERNEL_MERGE_MAX_SPLITS` splits.
+        instead of two (dedup steps always use `merge_kernel`; never set without splits). By
+        default for 2 to `IN_KERNEL_MERGE_MAX_SPLITS` splits.
     merge_fence: with `in_kernel_merge`, every thread fences its partial stores at GPU scope before
         the count (off only to show the race it prevents: benchmarks/merge_in_kernel.py).
     """
@@ -117,9 +117,7 @@ def choose_config(
     group_chunks = -(-g.group_size // block_g)
     quantized = layout.quantized
     tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
-    if dedup is None:
-        dedup = dedup_pays(g, layout, query_len, batch_size or 0, sm_count)
-    dedup = dedup and dedup_supported(g, layout, query_len)
+    dedup = uses_dedup(g, layout, query_len, batch_size or 0, sm_count, dedup)
     token_chunks = -(-query_len // tokens) if dedup else 1
     batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
     if dedup:
@@ -150,12 +148,13 @@ def choose_config(
         tiles = tokens * g.topk * (g.page_size // block_n)
         num_splits = max(1, min(num_splits, tiles))
     per_split = -(-tiles // num_splits)
+    num_splits = -(-tiles // per_split)
     block_m = max(16, _next_pow2(tokens * g.group_size)) if dedup else block_g
     return LaunchConfig(
         block_n=block_n,
         block_g=block_g,
         group_chunks=group_chunks,
-        num_splits=-(-tiles // per_split),
+        num_splits=num_splits,
         tiles_per_split=per_split,
         # 4 warps for whole bf16 pages too (H200, tune_kernels.py: 255 vs 313 us at B=256)
         num_warps=num_warps if num_warps is not None else (8 if block_m * g.head_dim > 8192 else 4),
@@ -174,8 +173,8 @@ def choose_config(
         decode_asm=decode_asm,
         codes_rows=codes_rows,
         swap_ab=swap_ab,
-        in_kernel_merge=not dedup and (1 < -(-tiles // per_split) <= IN_KERNEL_MERGE_MAX_SPLITS
-                                       if in_kernel_merge is None else in_kernel_merge),
+        in_kernel_merge=not dedup and num_splits > 1 and (num_splits <= IN_KERNEL_MERGE_MAX_SPLITS
+                                                          if in_kernel_merge is None else in_kernel_merge),
         merge_fence=merge_fence,
     )
 
@@ -185,6 +184,14 @@ def dedup_wanted() -> bool | None:
     one; None (unset): the shape policy (`dedup_pays`) decides."""
     env = os.environ.get("MSA_TRITON_DEDUP", "")
     return env == "1" if env in ("0", "1") else None
+
+
+def uses_dedup(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int,
+               dedup: bool | None = None) -> bool:
+    """Whether a step runs the dedup program: `dedup` when given (forced by the caller or
+    `MSA_TRITON_DEDUP`), else the shape policy (`dedup_pays`); never where it is unsupported."""
+    wanted = dedup_pays(geometry, layout, query_len, batch_size, sm_count) if dedup is None else dedup
+    return wanted and dedup_supported(geometry, layout, query_len)
 
 
 def dedup_supported(geometry: Geometry, layout: KVLayout, query_len: int) -> bool:

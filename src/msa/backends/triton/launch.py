@@ -51,16 +51,16 @@ def interpreting() -> bool:
 
 class Workspace:
     """Split-K partials: fp32 accumulators `[B*L*Hq*S, D]` and (max, sum) pairs `[B*L*Hq*S, 2]`;
-    with `in_kernel_merge`, one int32 counter per program (zero between launches: the merging
-    split resets it)."""
+    with `in_kernel_merge`, one int32 counter per program (back at zero after each launch: the
+    merging split takes its count off)."""
 
     def __init__(self, problem: DecodeProblem, config: LaunchConfig, device: torch.device) -> None:
         rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits
         size = rows if config.num_splits > 1 else 0
         self.partial_out = torch.empty((size, problem.geometry.head_dim), dtype=torch.float32, device=device)
         self.partial_ml = torch.empty((size, 2), dtype=torch.float32, device=device)
-        counted = config.in_kernel_merge and config.num_splits > 1
-        self.counters = torch.zeros(_programs(problem, config) if counted else 1, dtype=torch.int32, device=device)
+        counters = _programs(problem, config) if config.in_kernel_merge else 1
+        self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
 
 
 def _programs(problem: DecodeProblem, config: LaunchConfig) -> int:
@@ -256,15 +256,14 @@ def _launches(
     g = problem.geometry
     launches: list[_Launch] = []
     grid = (_programs(problem, config), config.num_splits)
-    merged = config.in_kernel_merge and config.num_splits > 1
     if config.dedup:
         launches.append((_Kernel(split_dedup_kernel, grid), lambda a: a))
     else:
         kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
-        merge_args = dict(counter_ptr=workspace.counters, IN_KERNEL_MERGE=merged,
+        merge_args = dict(counter_ptr=workspace.counters, IN_KERNEL_MERGE=config.in_kernel_merge,
                           MERGE_FENCE=config.merge_fence and not interpreting())
         launches.append((_Kernel(kernel, grid), lambda a: dict(a, **merge_args)))
-    if config.num_splits > 1 and not merged:
+    if config.num_splits > 1 and not config.in_kernel_merge:
         merge_constants = dict(
             part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml, q_pos_ptr=rows.q_pos,
             NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
