@@ -167,7 +167,7 @@ def vector_misalignment(q: torch.Tensor, out: torch.Tensor | None, kv: KVOperand
         if t is not None and (t.data_ptr() % 4 or any(st * t.element_size() % 4 for st in t.stride()[:-1])):
             return name, "rows aligned to 4 bytes", f"address {t.data_ptr():#x}, strides {tuple(t.stride())}"
     kept = 2 if block_scaled else 3
-    bases = (kv.k.data_ptr(), kv.v.data_ptr() + kv.v_offset * kv.v.element_size())
+    bases = kv.addresses
     strides = (*(st * kv.k.element_size() for st in kv.k_strides[:kept]),
                *(st * kv.v.element_size() for st in kv.v_strides[:kept]))
     if any(b % 16 for b in bases) or any(st % 16 for st in strides):

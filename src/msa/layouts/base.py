@@ -64,6 +64,11 @@ class KVOperands:
     k_strides: tuple[int, int, int]
     v_strides: tuple[int, int, int]
 
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """The device addresses of the first key and of the first value."""
+        return self.k.data_ptr(), self.v.data_ptr() + self.v_offset * self.v.element_size()
+
 
 @attrs.frozen
 class SlotWrite:

@@ -113,7 +113,7 @@ def launch_cute(
     g = problem.geometry
     q, topk, table = inputs.q, inputs.topk_indices, inputs.block_table
     kv = problem.layout.kv_operands(inputs.kv_cache)
-    k_base, v_base = kv.k.data_ptr(), kv.v.data_ptr() + kv.v_offset * kv.v.element_size()
+    k_base, v_base = kv.addresses
     misaligned = vector_misalignment(q, out, kv, problem.layout.block_scaled)
     if misaligned is not None:  # the plan's problem assumed aligned runs; this one is not
         name, expected, given = misaligned
