@@ -11,6 +11,8 @@ turns direct launches off).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -33,7 +35,8 @@ from msa.problem import DecodeProblem
 from msa.scales import Scale
 from msa.validation import DecodeInputs
 
-__all__ = ["launch_decode", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo"]
+__all__ = ["launch_decode", "step_launches", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo",
+           "kernel_parameters", "bind_arguments"]
 
 #: The tensor arguments of the decode kernels (replaced per call; everything else is static for
 #: a call signature).
@@ -177,17 +180,39 @@ def _direct_launch_enabled() -> bool:
     return not interpreting() and os.environ.get("MSA_TRITON_DIRECT_LAUNCH", "1") != "0"
 
 
+@functools.cache
+def kernel_parameters(fn: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """A Triton kernel's parameter names in order and the defaults of those that have one (from
+    the Python function under the `@triton.jit` wrapper, compiled or interpreted alike; read once
+    per kernel)."""
+    params = inspect.signature(fn.fn).parameters
+    names = tuple(params)
+    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    return names, defaults
+
+
+def bind_arguments(fn: Any, args: dict[str, Any]) -> list[Any]:
+    """The values of a kernel's parameters in order, as its compiled launcher takes them: each
+    from `args`, else the parameter's default. Raises `TypeError` naming every parameter neither
+    gives (a launcher/kernel mismatch), as Triton's own launch path would."""
+    names, defaults = kernel_parameters(fn)
+    missing = [n for n in names if n not in args and n not in defaults]
+    if missing:
+        raise TypeError(f"{fn.fn.__name__}: no value for parameter(s) {', '.join(missing)}")
+    return [args[n] if n in args else defaults[n] for n in names]
+
+
 class _Kernel:
     """One Triton kernel of a plan's call signature: launched through Triton the first time (which
     compiles it), then directly through its compiled launcher while the pointer alignments
     (Triton specialises on 16-byte alignment) are the same. Which arguments are tensors is fixed
-    by the call signature, so their positions are found once."""
+    by the call signature, so their positions are found once. Parameters the arguments leave out
+    take the kernel's own defaults (`bind_arguments`), on both paths."""
 
     def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
         self.fn = fn
         self.grid = (grid + (1, 1))[:3]
         self.compiled: dict[tuple[bool, ...], Any] = {}
-        self.names: tuple[str, ...] = tuple(fn.arg_names)
         self.tensor_positions: tuple[int, ...] | None = None
         self.stream: Callable[[], int] | None = None
 
@@ -195,7 +220,7 @@ class _Kernel:
         if not direct:
             self.fn[self.grid](**args)
             return
-        values = [args[n] for n in self.names]
+        values = bind_arguments(self.fn, args)
         positions = self.tensor_positions
         if positions is None:
             positions = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
@@ -283,7 +308,7 @@ def _launches(
     return launches
 
 
-def launch_decode(
+def step_launches(
     problem: DecodeProblem,
     inputs: DecodeInputs,
     rows: RowMetadata,
@@ -292,11 +317,10 @@ def launch_decode(
     config: LaunchConfig,
     workspace: Workspace,
     memo: LaunchMemo | None = None,
-) -> None:
-    """Run the decode kernel (and the merge when split, unless the kernel merges) into `out` /
-    `lse`. Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
-    if problem.num_rows == 0:
-        return
+) -> list[tuple[_Kernel, dict[str, Any]]]:
+    """Each kernel of the step with its named arguments: built in full the first time a call
+    signature is seen (and remembered in `memo`), from the remembered static ones and this call's
+    tensors after that."""
     entry = memo.get(inputs.signature) if memo is not None else None
     if entry is None:
         args = decode_args(problem, inputs, rows, out, lse, config, workspace)
@@ -315,6 +339,23 @@ def launch_decode(
         args.setdefault("sm_scale_ptr", out)
         for name in ("q_scale_ptr", "k_scale_ptr", "v_scale_ptr"):
             args.setdefault(name, out)
+    return [(kernel, kernel_args(args)) for kernel, kernel_args in entry[1]]
+
+
+def launch_decode(
+    problem: DecodeProblem,
+    inputs: DecodeInputs,
+    rows: RowMetadata,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: LaunchConfig,
+    workspace: Workspace,
+    memo: LaunchMemo | None = None,
+) -> None:
+    """Run the decode kernel (and the merge when split, unless the kernel merges) into `out` /
+    `lse`. Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
+    if problem.num_rows == 0:
+        return
     direct = memo is not None and inputs.signature is not None and _direct_launch_enabled()
-    for kernel, kernel_args in entry[1]:
-        kernel(kernel_args(args), direct)
+    for kernel, args in step_launches(problem, inputs, rows, out, lse, config, workspace, memo):
+        kernel(args, direct)
