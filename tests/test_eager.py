@@ -63,6 +63,26 @@ def test_new_metadata_objects_are_refreshed(monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(out, msa.sparse_decode(**dict(layers[0], seq_lens=lens), backend="reference", validate=True))
 
 
+def test_inference_mode_tables_share_one_refresh_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving engines run under torch.inference_mode(), whose tensors have no version counters:
+    the layers of a step must still share one refresh (they once refreshed at every layer), and a
+    new step's tables (new objects, as engines pass them) are refreshed."""
+    with torch.inference_mode():
+        layers = _layers(4)
+        expected = [msa.sparse_decode(**kw, backend="reference", validate=True) for kw in layers]
+        refreshes = _refreshes(monkeypatch)
+        got = [msa.sparse_decode(**kw, backend="reference") for kw in layers]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert len(refreshes) <= 1, f"{len(refreshes)} refreshes for one step of 4 layers"
+        lens = layers[0]["seq_lens"].clone()  # the next step: new objects
+        lens[1] -= 7
+        refreshes.clear()
+        nxt = [msa.sparse_decode(**dict(kw, seq_lens=lens), backend="reference") for kw in layers]
+        assert len(refreshes) == 1
+        fresh = [msa.sparse_decode(**dict(kw, seq_lens=lens), backend="reference", validate=True) for kw in layers]
+        assert all(torch.equal(a, b) for a, b in zip(nxt, fresh, strict=True))
+
+
 def test_a_known_signature_still_refuses_bad_values() -> None:
     kw = _layers(1)[0]
     msa.sparse_decode(**kw, backend="reference")

@@ -189,7 +189,10 @@ def sparse_decode(
     tensor objects than the previous call's, or were changed in place through torch (their
     version counters); every later layer of a step reuses it. A caller that rewrites those same
     tensor objects by other means (its own kernels) between steps must pass fresh objects (new
-    views), or use a `DecodePlanner`, whose `plan()` always refreshes.
+    views), or use a `DecodePlanner`, whose `plan()` always refreshes. Tensors made under
+    `torch.inference_mode()` have no version counters: for them the same objects mean the same
+    step (serving engines pass each step's tables as new views), so one rewritten in place
+    under inference mode must also be passed as a fresh view.
     """
     local = _thread_local()
     signature = _call_signature(

@@ -31,7 +31,7 @@ class StepTables:
     seq_lens_cpu: torch.Tensor | None
     rows: RowMetadata
     query_start_loc: torch.Tensor | None = None
-    versions: tuple[int, ...] | None = attrs.field(default=None, init=False)
+    versions: tuple[int, ...] = attrs.field(default=(), init=False)
 
     def __attrs_post_init__(self) -> None:
         self.versions = _versions(self.block_table, self.seq_lens, self.query_start_loc)
@@ -78,21 +78,19 @@ class StepTables:
         seq_lens_cpu: torch.Tensor | None = None,
     ) -> bool:
         """These are the very tensors of the last refresh, and torch has not changed them in
-        place since (their version counters; None where torch keeps none, which never holds)."""
+        place since (their version counters). Inference tensors have none: for them the same
+        objects hold (an engine under `torch.inference_mode()` passes each step's tables as new
+        tensor objects; one that rewrites the same objects in place must pass fresh views)."""
         return (
             self.block_table is block_table
             and self.seq_lens is seq_lens
             and self.query_start_loc is query_start_loc
             and self.seq_lens_cpu is seq_lens_cpu
-            and self.versions is not None
             and self.versions == _versions(block_table, seq_lens, query_start_loc)
         )
 
 
-def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...] | None:
-    """The version counters of `tensors` (-1 for None), or None when torch keeps none (inference
-    tensors)."""
-    try:
-        return tuple(-1 if t is None else t._version for t in tensors)
-    except RuntimeError:
-        return None
+def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """The version counters of `tensors`: -1 for None, -2 for an inference tensor (made under
+    `torch.inference_mode()`, where torch keeps no counter: identity alone decides for it)."""
+    return tuple(-1 if t is None else -2 if t.is_inference() else t._version for t in tensors)
