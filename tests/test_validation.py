@@ -114,6 +114,17 @@ def test_out_must_not_overlap_q_or_lse() -> None:
         msa.sparse_decode(**kw, out=buf.view(B * L, HQ, D), lse=lse_view)
 
 
+def test_lse_must_not_overlap_q() -> None:
+    """An lse inside q's memory was accepted (the kernels then overwrite the queries they read)."""
+    kw = good()
+    lse = kw["q"].view(torch.float32).flatten()[: B * L * HQ].view(B * L, HQ)  # fp32 inside q's bytes
+    for call in range(2):  # the first call checks in full; the second takes the remembered signature
+        with pytest.raises(MSAInputError, match=r"^lse: expected memory that does not overlap q"):
+            msa.sparse_decode(**kw, lse=lse)
+        if call == 0:  # a good call with this signature, so the next bad one takes the remembered path
+            msa.sparse_decode(**kw, lse=torch.empty_like(lse))
+
+
 def test_deep_checks_read_tensor_scales() -> None:
     for bad in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0, got a tensor holding"):

@@ -236,11 +236,7 @@ class CheckedCall:
     ) -> DecodeInputs:
         """The inputs of a call with this signature: the overlap checks, then the new tensors
         (tensor scales as given, float scales as checked)."""
-        out_bytes, q_bytes, lse_bytes = self.spans
-        if out is not None:
-            check_disjoint("out", out, "q", q, (out_bytes, q_bytes))
-            if lse is not None:
-                check_disjoint("lse", lse, "out", out, (lse_bytes, out_bytes))
+        _check_outputs_disjoint(q, out, lse, self.spans)
         sm, qs, ks, vs = (
             given if isinstance(given, torch.Tensor) else checked
             for given, checked in zip(scales, self.scales, strict=True)
@@ -250,6 +246,21 @@ class CheckedCall:
             seq_lens=seq_lens, layout=self.layout, sm_scale=sm, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
             lse=lse, query_start_loc=query_start_loc, signature=signature,
         )
+
+
+def _check_outputs_disjoint(
+    q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, spans: tuple[int, int, int] | None = None
+) -> None:
+    """`out` and `lse` overlap neither `q` nor each other. `spans`: the byte spans of (out, q, lse)
+    when known (they depend on shapes and strides alone)."""
+    out_bytes, q_bytes, lse_bytes = spans if spans is not None else (
+        0 if out is None else byte_span(out), byte_span(q), 0 if lse is None else byte_span(lse))
+    if out is not None:
+        check_disjoint("out", out, "q", q, (out_bytes, q_bytes))
+    if lse is not None:
+        check_disjoint("lse", lse, "q", q, (lse_bytes, q_bytes))
+        if out is not None:
+            check_disjoint("lse", lse, "out", out, (lse_bytes, out_bytes))
 
 
 def check_int32(argument: str, value: torch.Tensor, shape_doc: str, dim: int) -> None:
@@ -389,10 +400,7 @@ def check_decode_inputs(
     out_dtype = output_dtype(q_t.dtype)
     out_t = _check_output("out", out, (rows, num_q_heads, head_dim), out_dtype, device)
     lse_t = _check_output("lse", lse, (rows, num_q_heads), torch.float32, device)
-    if out_t is not None:
-        check_disjoint("out", out_t, "q", q_t)
-        if lse_t is not None:
-            check_disjoint("lse", lse_t, "out", out_t)
+    _check_outputs_disjoint(q_t, out_t, lse_t)
 
     geometry = Geometry(
         num_q_heads=num_q_heads,
