@@ -87,3 +87,15 @@ def test_drop_in_through_the_triton_kernels(seed: int, monkeypatch: pytest.Monke
     minimax_m3_sparse_attn_decode(*args, **scales)
     ref = msa.sparse_decode(**step.kwargs(), backend="reference")
     torch.testing.assert_close(args[7].float(), ref.float(), rtol=2**-7, atol=2e-3)
+
+
+def test_fp8_cache_as_uint8_storage(seed: int) -> None:
+    """vLLM allocates fp8 caches as uint8: the drop-in reads that storage as e4m3 (it was taken
+    for an NVFP4 cache and refused as a bad NVFP4 shape)."""
+    args, scales, _ = _vllm_args("fp8_e4m3", 1, seed)
+    minimax_m3_sparse_attn_decode(*args, **scales)
+    ref = args[7].clone()
+    args[7].fill_(float("nan"))
+    args[1] = args[1].view(torch.uint8)
+    minimax_m3_sparse_attn_decode(*args, **scales)
+    assert torch.equal(args[7], ref)

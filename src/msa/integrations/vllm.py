@@ -8,7 +8,8 @@ The signature is vLLM's (0.33.0's eleven parameters, in order, plus `query_start
 
 - `q` `[total_q, Hq, D]` bf16/fp16, rows request-major (`decode_query_len` rows per request).
 - `kv_cache` `[num_blocks, Hkv, 128, 2D]` packed K then V, any strides with a unit last one
-  (vLLM's NHD-strided view included), bf16/fp16 or fp8 e4m3 (e5m2 and fnuz are refused).
+  (vLLM's NHD-strided view included), bf16/fp16 or fp8 e4m3 (e5m2 and fnuz are refused); an
+  fp8 cache may come as its uint8 storage (vLLM allocates fp8 caches as uint8), read as e4m3.
 - `topk_idx` int32 `[Hkv, total_q, K]`: block ids, any strides (vLLM passes the transpose of its
   token-major buffer).
 - `block_table` int32 `[num_reqs, max_blocks]`; `seq_lens` int32 `[num_reqs]` including the new
@@ -88,6 +89,8 @@ def minimax_m3_sparse_attn_decode(
     """
     if not isinstance(kv_cache, torch.Tensor):
         raise MSAInputError("kv_cache", "a torch.Tensor [num_blocks, Hkv, 128, 2D]", type(kv_cache).__name__)
+    if kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * q.shape[-1]:
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)  # vLLM keeps fp8 caches in uint8 storage
     if kv_cache.dtype in _FP8_REFUSED:
         raise MSAUnsupportedError(f"kv_cache: msa reads fp8 caches in float8_e4m3fn, not {kv_cache.dtype}")
     if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads:
