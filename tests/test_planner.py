@@ -348,3 +348,73 @@ def test_captured_graph_keeps_its_plan_across_evictions(gen: torch.Generator) ->
         ref = msa.sparse_decode(**kw, backend="reference")
         torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=3e-3)
     assert planner.plans.evictions > 0 and planner.plans.revivals >= 10
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("rows", [6, 12])
+def test_a_ragged_plan_refuses_other_row_counts(backend: str, rows: int, gen: torch.Generator) -> None:
+    """A ragged plan is sized for its `num_rows` (row metadata, workspaces): a q of 6 rows once
+    corrupted the heap, one of 12 left 4 rows unwritten. run() compares and raises."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+    step = _step(batch=3, length=3)
+    planner = _planner(backend=backend)
+    qsl = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    plan = planner.plan(step.block_table, step.seq_lens, decode_query_len=3, query_start_loc=qsl, num_rows=8)
+    q = torch.randn((rows, 8, 64), generator=gen).bfloat16()
+    topk = indexer_topk(step.seq_lens, decode_query_len=3, num_kv_heads=2, topk=4, page_size=16,
+                        max_blocks=step.block_table.shape[1], generator=gen)
+    topk = torch.cat([topk, topk], dim=1)[:, :rows]
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    with pytest.raises(MSAInputError, match=rf"^q: expected 8 rows, as planned \(num_rows=8 given to plan\(\)\), got {rows} rows"):
+        planner.run(plan, q, step.kv_cache, topk, out=out, k_scale=step.k_scale, v_scale=step.v_scale)
+    assert out.isnan().all(), "nothing may be written"
+    # the planned row count runs (rows past qsl[B] are padding: zeros)
+    q8, out8 = q.repeat(2, 1, 1)[:8], torch.full((8, 8, 64), float("nan"), dtype=torch.bfloat16)
+    topk8 = torch.cat([topk, topk, topk], dim=1)[:, :8]
+    planner.run(plan, q8, step.kv_cache, topk8, out=out8, k_scale=step.k_scale, v_scale=step.v_scale)
+    assert not out8.isnan().any() and (out8[6:] == 0).all()
+
+
+def test_the_thread_check_and_the_launch_are_one_step(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan() from another thread between run()'s thread check and its launch once refreshed the
+    tables under it (a wrong answer, no error). Here that plan() is made at the latest point
+    before the launch — while run() checks its inputs — and must be refused."""
+    import threading
+
+    import msa.planner.runs as runs
+
+    # Triton reads the plan's row metadata (the reference backend reads the step's own lengths)
+    step = _step()
+    planner = _planner(backend="triton" if INTERPRET else "reference")
+    plan = planner.plan(step.block_table, step.seq_lens, decode_query_len=2)
+    other_lens = torch.zeros_like(step.seq_lens)  # another thread's step: every row empty
+    errors: list[BaseException] = []
+    original = runs.check_decode_inputs
+
+    def checks_then_interleave(*args: Any, **kwargs: Any) -> Any:
+        def other() -> None:
+            try:
+                planner.plan(step.block_table, other_lens, decode_query_len=2)
+            except MSAInputError as exc:
+                errors.append(exc)
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "check_decode_inputs", checks_then_interleave)
+    out = torch.empty(step.q.shape, dtype=torch.bfloat16)
+    planner.run(plan, step.q, step.kv_cache, step.topk_indices, out=out, k_scale=step.k_scale, v_scale=step.v_scale)
+    assert errors and "use from one thread at a time" in str(errors[0])
+    ref = msa.sparse_decode(**step.kwargs(), backend="reference")
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-3, msg="run() must compute the step it checked")
+
+
+def test_plan_repr_is_short_and_query_len_defaults_to_one() -> None:
+    step = _step(length=1)
+    planner = _planner()
+    plan = planner.plan(step.block_table, step.seq_lens)
+    assert plan.problem.query_len == 1
+    text = repr(plan)
+    assert len(text) < 200 and "B=3, L=1" in text and "backend reference" in text, text

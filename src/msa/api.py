@@ -220,12 +220,7 @@ def sparse_decode(
     lse_t = inputs.lse
     if lse_t is None and problem.return_lse:
         lse_t = torch.empty((problem.num_rows, g.num_q_heads), dtype=torch.float32, device=device)
-    with planner._exclusive():  # never contended: the planner belongs to this thread and stream
-        plan = planner._plan(
-            inputs.block_table, inputs.seq_lens, decode_query_len, inputs.query_start_loc,
-            problem.num_rows if problem.ragged else None, reuse_refresh=True,
-        )
-        plan.backend.run(plan.backend_plan, inputs, out_t, lse_t)
+    planner.run_one_shot(problem, inputs, out_t, lse_t)  # never contended: this thread's and stream's
     if lse_t is not None:
         return out_t, lse_t
     return out_t
