@@ -545,3 +545,256 @@ def graph_worker(rank: int, world_size: int, init_file: str, seed: int, result_d
                 except Exception:  # noqa: BLE001 - reported by the parent
                     check.failures.append(f"rank {rank}, graph {layout} {method}: {traceback.format_exc()}")
         result["failures"], result["checks"] = check.failures, check.checks
+
+
+# -- rank-local errors, empty steps and coverage (spawned by tests/test_distributed.py) ------------
+
+#: The process group's timeout in the worker below: a collective that hangs fails in seconds.
+COLLECTIVE_TIMEOUT_S = 15.0
+#: Where the cases below put their tensors ("cpu" with gloo, "cuda:<rank>" with NCCL).
+CASE_DEVICE = {"device": "cpu"}
+
+
+@dataclass
+class Sharded:
+    """A small global step, its reference result and this rank's share of it."""
+
+    kw: dict[str, Any]
+    local: dict[str, Any]
+    ref_out: torch.Tensor
+    ref_lse: torch.Tensor
+    geometry: msa.Geometry
+
+
+def sharded_step(seed: int, *, batch: int = 2, context: int = 16 * 6, seq_lens: list[int] | None = None) -> Sharded:
+    """A bf16 step of SMALL (every rank builds the same one from `seed`) and this rank's share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step = make_decode_step(SMALL, batch_size=batch, context_len=context, kv_cache_dtype="bfloat16", seed=seed)
+    kw = step.kwargs()
+    if seq_lens is not None:
+        kw["seq_lens"] = torch.tensor(seq_lens, dtype=torch.int32)
+    ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+    cache, table = dcp.shard_cache("bfloat16", kw["kv_cache"], kw["block_table"], rank, world)
+    device = CASE_DEVICE["device"]
+    local = _to(dict(kw, kv_cache=cache, block_table=table), device)
+    return Sharded(_to(kw, device), local, ref_out.to(device), ref_lse.to(device), SMALL)
+
+
+def _planner(sh: Sharded, method: str = "all_gather", scatter: bool = False) -> dcp.DistributedDecodePlanner:
+    return dcp.DistributedDecodePlanner(sh.geometry, method=method, scatter_heads=scatter, kv_cache_dtype="bfloat16",
+                                        backend="reference", device=CASE_DEVICE["device"])
+
+
+def _planner_run(sh: Sharded, table: torch.Tensor, validate: bool, method: str = "all_gather",
+                 scatter: bool = False, local: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = local if local is not None else sh.local
+    planner = _planner(sh, method, scatter)
+    plan = planner.plan(table, kw["seq_lens"], decode_query_len=kw["decode_query_len"],
+                        query_start_loc=kw.get("query_start_loc"),
+                        num_rows=kw["q"].shape[0] if kw.get("query_start_loc") is not None else None)
+    rows, dim = kw["q"].shape[0], kw["q"].shape[2]
+    out = torch.full((rows, planner.out_heads, dim), float("nan"), dtype=torch.bfloat16, device=kw["q"].device)
+    lse = torch.full((rows, planner.out_heads), float("nan"), device=kw["q"].device)
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse, k_scale=kw["k_scale"],
+                v_scale=kw["v_scale"], validate=validate)
+    return out, lse
+
+
+def _expect_everywhere(check: Checker, what: str, fn: Callable[[], object], argument: str,
+                       failing: int | None) -> None:
+    """`fn()` raises MSAInputError naming `argument` on every rank; where `failing` is another
+    rank, the message names it (the error was found there)."""
+    check.checks += 1
+    rank = dist.get_rank()
+    try:
+        fn()
+    except msa.MSAInputError as exc:
+        problems = []
+        if exc.argument != argument:
+            problems.append(f"names {exc.argument!r}, not {argument!r}")
+        if failing is not None and failing != rank and f"rank {failing}" not in str(exc):
+            problems.append(f"does not name rank {failing}: {exc}")
+        if problems:
+            check.failures.append(f"rank {rank}, {what}: MSAInputError " + "; ".join(problems))
+        return
+    except Exception as exc:  # noqa: BLE001 - a timed-out collective lands here
+        check.failures.append(f"rank {rank}, {what}: raised {type(exc).__name__}: {exc}")
+        return
+    check.failures.append(f"rank {rank}, {what}: did not raise MSAInputError")
+
+
+def _bad_pages(table: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """Every page this rank holds moved out of its cache (a data error only this rank has)."""
+    return torch.where(table >= 0, torch.full_like(table, num_pages + 3), table)
+
+
+def local_error_cases(check: Checker, seed: int) -> None:
+    """Defect 5: an error on one rank is raised on every rank, before any other collective."""
+    rank = dist.get_rank()
+    sh = sharded_step(seed)
+    local, table = sh.local, sh.local["block_table"]
+    pages = local["kv_cache"].shape[0]
+    bad = _bad_pages(table, pages) if rank == 1 else table
+    _expect_everywhere(check, "bad page on rank 1, validate=True",
+                       lambda: dcp.sparse_decode(**dict(local, block_table=bad), validate=True, backend="reference"),
+                       "block_table", 1)
+    _expect_everywhere(check, "bad page on rank 1, planner validate=True",
+                       lambda: _planner_run(sh, bad, True), "block_table", 1)
+    wide = table.long() if rank == 1 else table
+    for validate in (False, True):
+        _expect_everywhere(check, f"int64 block table on rank 1, validate={validate}",
+                           lambda v=validate: dcp.sparse_decode(**dict(local, block_table=wide), validate=v,
+                                                                backend="reference"),
+                           "block_table", 1)
+    wider = torch.cat([table, torch.full_like(table[:, :1], -1)], dim=1) if rank == 1 else table
+    _expect_everywhere(check, "tables of different widths, validate=True",
+                       lambda: dcp.sparse_decode(**dict(local, block_table=wider), validate=True, backend="reference"),
+                       "block_table", None)
+    _expect_everywhere(check, "tables of different widths, planner validate=True",
+                       lambda: _planner_run(sh, wider, True), "block_table", None)
+    # what the merge's buffers are shaped by, different on one rank: raised on every rank
+    first = dict(local, q=local["q"][:1], topk_indices=local["topk_indices"][:, :1], block_table=table[:1],
+                 seq_lens=local["seq_lens"][:1])
+    _expect_everywhere(check, "a different row count on rank 1",
+                       lambda: dcp.sparse_decode(**(first if rank == 1 else local), backend="reference"), "q", None)
+    _expect_everywhere(check, "a different method on rank 1",
+                       lambda: dcp.sparse_decode(**local, method="all_reduce" if rank == 1 else "all_gather",
+                                                 backend="reference"), "method", None)
+    _expect_everywhere(check, "validate on rank 1 only",
+                       lambda: dcp.sparse_decode(**local, validate=rank == 1, backend="reference"), "validate", None)
+    device = CASE_DEVICE["device"]
+    part = torch.zeros((3 + rank, 4, 8), dtype=torch.bfloat16, device=device)
+    _expect_everywhere(check, "merge_partials with a different row count on rank 1",
+                       lambda: dcp.merge_partials(part, torch.zeros(part.shape[:2], device=device)), "out", None)
+    odd = torch.zeros((3, 4, 8), dtype=torch.bfloat16, device=device)
+    _expect_everywhere(check, "merge_partials with an lse of the wrong shape on rank 1",
+                       lambda: dcp.merge_partials(odd, torch.zeros((3, 4 + rank), device=device)), "lse", 1)
+    # the group is still in step: tables of different widths are fine without validate, and a
+    # correct step after all those errors gives the right answer
+    scale = partial_scale(local)
+    out, lse = dcp.sparse_decode(**dict(local, block_table=wider), return_lse=True, backend="reference")
+    check.close("tables of different widths without validate", out, lse, sh.ref_out, sh.ref_lse, scale)
+    out, lse = dcp.sparse_decode(**local, validate=True, return_lse=True, backend="reference")
+    check.close("a correct step after the errors", out, lse, sh.ref_out, sh.ref_lse, scale)
+
+
+def _empty_like_step(local: dict[str, Any], rows: int, batch: int) -> dict[str, Any]:
+    return dict(local, q=local["q"][:rows], topk_indices=local["topk_indices"][:, :rows],
+                block_table=local["block_table"][:batch], seq_lens=local["seq_lens"][:batch])
+
+
+def _check_empty(check: Checker, what: str, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 shape: tuple[int, int, int]) -> None:
+    check.checks += 1
+    try:
+        out, lse = fn()
+    except Exception as exc:  # noqa: BLE001
+        check.failures.append(f"rank {dist.get_rank()}, {what}: raised {type(exc).__name__}: {exc}")
+        return
+    if tuple(out.shape) != shape or tuple(lse.shape) != shape[:2]:
+        check.failures.append(f"rank {dist.get_rank()}, {what}: shapes {tuple(out.shape)}, {tuple(lse.shape)}")
+
+
+def zero_row_cases(check: Checker, seed: int) -> None:
+    """Defect 6: steps of no rows (B = 0, or a ragged step of no tokens) on every merge and the
+    planner, and merge_partials of T = 0 in bf16."""
+    world = dist.get_world_size()
+    sh = sharded_step(seed)
+    heads, dim = sh.ref_out.shape[1:]
+    empty = _empty_like_step(sh.local, 0, 0)
+    device = CASE_DEVICE["device"]
+    ragged = dict(_empty_like_step(sh.local, 0, 2), query_start_loc=torch.zeros(3, dtype=torch.int32, device=device))
+    for name, kw in (("B=0", empty), ("ragged, 0 rows of 2 requests", ragged)):
+        for validate in (False, True):
+            for method in dcp.FULL_METHODS:
+                _check_empty(check, f"{name} sparse_decode {method} validate={validate}",
+                             lambda m=method, k=kw, v=validate: dcp.sparse_decode(
+                                 **k, method=m, return_lse=True, validate=v, backend="reference"),
+                             (0, heads, dim))
+            for method in dcp.SCATTERED_METHODS:
+                _check_empty(check, f"{name} sparse_decode scattered {method} validate={validate}",
+                             lambda m=method, k=kw, v=validate: dcp.sparse_decode(
+                                 **k, method=m, scatter_heads=True, return_lse=True, validate=v, backend="reference"),
+                             (0, heads // world, dim))
+            for method, scatter in (("all_gather", False), ("all_to_all", False), ("all_reduce", False),
+                                    ("reduce_scatter", True), ("all_to_all", True)):
+                _check_empty(check, f"{name} planner {method}{' scattered' if scatter else ''} validate={validate}",
+                             lambda m=method, s=scatter, k=kw, v=validate: _planner_run(
+                                 sh, k["block_table"], v, m, s, local=k),
+                             (0, heads // world if scatter else heads, dim))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        part = torch.zeros((0, 2 * world, 3), dtype=dtype, device=device)
+        part_lse = torch.zeros((0, 2 * world), device=device)
+        for method in dcp.FULL_METHODS:
+            _check_empty(check, f"merge_partials T=0 {dtype} {method}",
+                         lambda m=method, p=part, pl=part_lse: dcp.merge_partials(p, pl, method=m), (0, 2 * world, 3))
+        for method in dcp.SCATTERED_METHODS:
+            _check_empty(check, f"merge_partials_scattered T=0 {dtype} {method}",
+                         lambda m=method, p=part, pl=part_lse: dcp.merge_partials_scattered(p, pl, method=m),
+                         (0, 2, 3))
+
+
+def coverage_cases(check: Checker, seed: int) -> None:
+    """Defect 8: validate=True counts only the blocks rows use (selected and visible)."""
+    world = dist.get_world_size()
+    page = SMALL.page_size
+    # request 0 sees 50 tokens (blocks 0..3); request 1 is padding (seq_lens 0)
+    sh = sharded_step(seed, seq_lens=[50, 0])
+    topk = sh.kw["topk_indices"].clone()
+    topk[:, 0, :] = torch.tensor([0, 1, 3, 5], dtype=torch.int32, device=topk.device)  # 5: past row 0's reach
+    kw = dict(sh.kw, topk_indices=topk)
+    ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
+    table = sh.local["block_table"].clone()
+    table[1, :] = 0  # the padded request's row holds page 0 on every rank, as engines pad tables
+    table[0, -(-50 // page):] = 0  # so do request 0's blocks past its length (block 5 among them)
+    local = dict(sh.local, topk_indices=topk, block_table=table)
+    scale = partial_scale(local)
+    out, lse = dcp.sparse_decode(**local, validate=True, return_lse=True, backend="reference")
+    check.close("padded request with page 0 on every rank, validate=True", out, lse, ref_out, ref_lse, scale)
+    out, lse = _planner_run(sh, table, True, local=local)
+    check.close("padded request with page 0 on every rank, planner validate=True", out, lse, ref_out, ref_lse, scale)
+    # a used block held by two ranks, or by none, is still an error (on every rank)
+    twice = table.clone()
+    twice[0, 0] = 0  # block 0 (every list's first) held by every rank
+    _expect_everywhere(check, "a used block on every rank",
+                       lambda: dcp.sparse_decode(**dict(local, block_table=twice), validate=True, backend="reference"),
+                       "block_table", None)
+    if world > 1:
+        none = table.clone()
+        none[0, 0] = -1  # block 0 held by no rank
+        _expect_everywhere(check, "a used block on no rank",
+                           lambda: dcp.sparse_decode(**dict(local, block_table=none), validate=True,
+                                                     backend="reference"),
+                           "block_table", None)
+
+
+AGREEMENT_CASES: dict[str, Callable[[Checker, int], None]] = {
+    "local errors": local_error_cases,
+    "zero rows": zero_row_cases,
+    "coverage": coverage_cases,
+}
+
+
+def agreement_worker(rank: int, world_size: int, init_file: str, seed: int, result_dir: str, device_kind: str,
+                     backends: tuple[str, ...], cases: list[str]) -> None:
+    """One rank of the `AGREEMENT_CASES` named, in a gloo (or, for device_kind "cuda", NCCL)
+    group whose collectives time out after `COLLECTIVE_TIMEOUT_S` (a hang fails quickly instead
+    of blocking the test)."""
+    with rank_report(rank, result_dir) as result:
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if device_kind == "cuda":
+            torch.cuda.set_device(rank)
+            CASE_DEVICE["device"] = f"cuda:{rank}"
+            dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                    timeout=timeout, device_id=torch.device("cuda", rank))
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        check = Checker(rank)
+        for name in cases:
+            try:
+                AGREEMENT_CASES[name](check, seed)
+            except Exception:  # noqa: BLE001 - reported by the parent
+                check.failures.append(f"rank {rank}, {name}: {traceback.format_exc()}")
+        result["failures"], result["checks"] = check.failures, check.checks

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from distributed_cases import spawn
+import torch.distributed as dist
+from distributed_cases import agreement_worker, spawn
 
 import msa
 import msa.distributed as dcp
@@ -241,3 +245,143 @@ def test_the_planners_options_reach_the_ranks_planner(tmp_path: Path) -> None:
         assert (default.kv_form, default.graph_capture, default.vector_aligned) == ("packed", False, True)
     finally:
         dist.destroy_process_group()
+
+
+def _agreement(case: str, seed: int, tmp_path: Path) -> None:
+    """Run one group of `AGREEMENT_CASES` on 2 gloo ranks whose collectives time out in seconds."""
+    results = spawn(2, tmp_path, seed, "cpu", ("reference",), timeout=150.0, target=agreement_worker,
+                    extra=([case],))
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures)
+    checks = [r["checks"] for r in results]
+    assert min(checks) == max(checks) > 0, f"checks per rank: {checks}"
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(seed: int, tmp_path: Path) -> None:
+    """A bad page on one rank (validate=True, one-shot and planner), an int64 block table on one
+    rank, tables of different widths (validate=True), different rows / methods / validate between
+    ranks: every rank raises MSAInputError naming the argument (and the rank where it was found),
+    none waits in a collective; the group is still usable afterwards."""
+    _agreement("local errors", seed, tmp_path)
+
+
+def test_steps_of_no_rows_merge_on_every_method(seed: int, tmp_path: Path) -> None:
+    """B = 0 and a ragged step of 0 rows through every merge method and the planner (with and
+    without validate), and merge_partials of T = 0 in bf16 / fp16 / fp32."""
+    _agreement("zero rows", seed, tmp_path)
+
+
+def test_validate_counts_only_used_blocks(seed: int, tmp_path: Path) -> None:
+    """A padded request whose table row holds page 0 on every rank, and blocks past a row's
+    length held everywhere, pass validate=True; a used block on two ranks or on none does not."""
+    _agreement("coverage", seed, tmp_path)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _small_step(seed: int, batch: int = 2) -> dict[str, Any]:
+    g = msa.Geometry(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, topk=4)
+    return make_decode_step(g, batch_size=batch, context_len=16 * 4, kv_cache_dtype="bfloat16", seed=seed).kwargs()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_outputs_must_not_overlap_each_other_or_inputs(seed: int) -> None:
+    kw = _small_step(seed)
+    rows, heads, dim = kw["q"].shape
+    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16)
+    lse_in_out = out.view(-1)[: rows * heads * 2].view(torch.float32).view(rows, heads)
+    for validate in (False, True):
+        with pytest.raises(msa.MSAInputError, match="lse") as info:
+            dcp.sparse_decode(**kw, out=out, lse=lse_in_out, backend="reference", validate=validate)
+        assert info.value.argument == "lse"
+    with pytest.raises(msa.MSAInputError) as info:
+        dcp.sparse_decode(**kw, out=kw["q"], backend="reference")
+    assert info.value.argument == "out"
+    lse_in_q = kw["q"].view(-1)[: rows * heads * 2].view(torch.float32).view(rows, heads)
+    with pytest.raises(msa.MSAInputError) as info:
+        dcp.sparse_decode(**kw, lse=lse_in_q, backend="reference")
+    assert info.value.argument == "lse"
+    g = msa.Geometry(heads, kw["topk_indices"].shape[0], dim, 16, kw["topk_indices"].shape[2])
+    planner = dcp.DistributedDecodePlanner(g, kv_cache_dtype="bfloat16", backend="reference", device="cpu")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    for validate in (False, True):
+        with pytest.raises(msa.MSAInputError) as info:
+            planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse_in_out, validate=validate,
+                        k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+        assert info.value.argument == "lse"
+    ref = msa.sparse_decode(**kw, backend="reference")
+    lse = torch.empty((rows, heads))
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, lse=lse, k_scale=kw["k_scale"],
+                v_scale=kw["v_scale"])
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_planner_checks_and_runs_in_one_atomic_step(seed: int) -> None:
+    """A plan() from another thread while run() is between its plan check and its launch (or
+    a run() while plan() refreshes) raises MSAInputError instead of letting run() launch
+    metadata that thread refreshed."""
+    kw, other = _small_step(seed), _small_step(seed + 1)
+    rows, heads, dim = kw["q"].shape
+    g = msa.Geometry(heads, kw["topk_indices"].shape[0], dim, 16, kw["topk_indices"].shape[2])
+    planner = dcp.DistributedDecodePlanner(g, kv_cache_dtype="bfloat16", backend="reference", device="cpu")
+    ref = msa.sparse_decode(**kw, backend="reference")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    scales = {"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]}
+    seen: list[BaseException | None] = []
+
+    def in_thread(fn: Any) -> None:
+        def target() -> None:
+            try:
+                fn()
+                seen.append(None)
+            except BaseException as exc:  # noqa: BLE001
+                seen.append(exc)
+
+        worker = threading.Thread(target=target)
+        worker.start()
+        worker.join(timeout=30)
+
+    local_run = planner.local.run
+
+    def run_after_a_plan_from_another_thread(*args: Any, **kwargs: Any) -> None:
+        in_thread(lambda: planner.plan(other["block_table"], other["seq_lens"], decode_query_len=1))
+        local_run(*args, **kwargs)
+
+    planner.local.run = run_after_a_plan_from_another_thread  # type: ignore[method-assign]
+    out = torch.full((rows, heads, dim), float("nan"), dtype=torch.bfloat16)
+    try:
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, **scales)
+    except msa.MSAInputError:
+        pass  # refusing the run is fine; a wrong answer is not
+    else:
+        torch.testing.assert_close(out, ref)
+    finally:
+        del planner.local.run
+    assert len(seen) == 1 and isinstance(seen[0], msa.MSAInputError), seen
+    assert seen[0].argument == "DistributedDecodePlanner"
+    # and the other way round: a run() while plan() is refreshing
+    seen.clear()
+    local_plan = planner.local.plan
+
+    def plan_with_a_run_from_another_thread(*args: Any, **kwargs: Any) -> Any:
+        in_thread(lambda: planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, **scales))
+        return local_plan(*args, **kwargs)
+
+    planner.local.plan = plan_with_a_run_from_another_thread  # type: ignore[method-assign]
+    try:
+        assert planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1) is plan
+    finally:
+        del planner.local.plan
+    assert len(seen) == 1 and isinstance(seen[0], msa.MSAInputError), seen
+    assert seen[0].argument == "DistributedDecodePlanner"
+    out.fill_(float("nan"))
+    planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, **scales)  # the planner is free again
+    torch.testing.assert_close(out, ref)

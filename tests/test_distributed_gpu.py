@@ -6,7 +6,9 @@
   single-process reference over the unsharded cache;
 - the planner form captured in a CUDA graph (NCCL collectives inside) and replayed over 20 steps
   while seq_lens, block tables, rotations, top-k lists and q change in place equals the reference
-  at every step.
+  at every step;
+- the agreement cases of tests/test_distributed.py (an error on one rank raised on both, steps of
+  no rows, validate=True on padded tables) over NCCL, where the agreement runs on the GPU.
 
 Sanitizer (every rank is a child process; compute-sanitizer follows them):
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_cases import graph_worker, spawn
+from distributed_cases import AGREEMENT_CASES, agreement_worker, graph_worker, spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,3 +47,8 @@ def test_nccl_ranks_equal_single_process(seed: int, tmp_path: Path) -> None:
 
 def test_nccl_planner_graph_replays_with_changing_metadata(seed: int, tmp_path: Path) -> None:
     _report(spawn(2, tmp_path, seed, "cuda", ("triton",), timeout=900.0, target=graph_worker), 2 * 4 * 20 * 2)
+
+
+def test_nccl_errors_agree_and_empty_steps_merge(seed: int, tmp_path: Path) -> None:
+    _report(spawn(2, tmp_path, seed, "cuda", ("reference",), timeout=300.0, target=agreement_worker,
+                  extra=(list(AGREEMENT_CASES),)), 20)

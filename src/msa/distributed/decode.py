@@ -7,10 +7,10 @@ from typing import Literal, overload
 import torch
 
 import msa.api
-from msa.distributed.checks import check_shard, run_checked
-from msa.distributed.exchange import Exchange, check_method
-from msa.distributed.group import ProcessGroup, group_info
-from msa.distributed.merge import check_same_shapes
+from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
+from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
+from msa.distributed.exchange import METHODS, Exchange, check_method
+from msa.distributed.group import GroupInfo, ProcessGroup, group_info
 from msa.errors import MSAInputError
 from msa.layouts import KVCache
 from msa.scales import Scale
@@ -146,20 +146,116 @@ def sparse_decode(
         out: optional `[B*L, Hq, D]` (`[B*L, Hq/W, D]` when scattering) output.
         lse: optional fp32 `[B*L, Hq]` (or `Hq/W`) output for the merged natural-log LSE.
         return_lse: also return the merged LSE (-inf for rows that attend nothing anywhere).
-        validate: the deep checks (also on with `MSA_VALIDATE=1`; on every rank alike: they
-            make collectives): msa's checks of this rank's inputs with `-1` table entries read
-            as "held by another rank", every rank passing the same shapes, and every selected
-            visible block held by exactly one rank (see `msa.distributed.checks`).
+        validate: the deep checks (also on with `MSA_VALIDATE=1`; pass the same on every
+            rank): msa's checks of this rank's inputs with `-1` table entries read as "held by
+            another rank", block tables of the same shape on every rank, and every used block
+            (selected by a row that sees it) held by exactly one rank (see
+            `msa.distributed.checks`).
 
     Returns:
         `out`, or `(out, lse)` when `return_lse` (or `lse=`) is given.
+
+    Raises:
+        MSAInputError, MSAUnsupportedError: on every rank alike. Each rank checks its arguments
+            and decodes its share, then the group agrees (`msa.distributed.agreement`: one
+            all-gather of a few int64 per rank, read on the host) before the merge: a rank whose
+            checks failed raises its own error, the others an error naming that rank and its
+            message; shapes that differ between ranks (rows, heads, dtype, method; the tables
+            when validating) raise on every rank. Inside CUDA-graph capture there is no
+            agreement (no host reads): an error is raised on its rank only.
     """
+    info = group_info(group)  # the same on every rank, or no group to agree in
+    validating = isinstance(validate, bool) and validation_requested(validate)
+    facts = _facts(q, block_table, seq_lens, decode_query_len, method, scatter_heads, reduce_dtype, validating,
+                   query_start_loc)
+    step: tuple[Exchange, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    error: Exception | None = None
+    try:  # this rank's checks and its local decode: any error is agreed on before the merge
+        step = _local_step(
+            info, q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
+            method=method, scatter_heads=scatter_heads, reduce_dtype=reduce_dtype, kv_cache_dtype=kv_cache_dtype,
+            sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+            return_lse=return_lse, backend=backend, validate=validate, validating=validating,
+            query_start_loc=query_start_loc,
+        )
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+        error = exc
+    agree(info, "msa.distributed.sparse_decode", facts, error, q.device if isinstance(q, torch.Tensor) else None)
+    assert step is not None
+    exchange, out_t, lse_t, usage = step
+    if usage is not None:
+        check_coverage(info, usage)
+    exchange.merge(out_t, lse_t)
+    if lse_t is not None:
+        return out_t, lse_t
+    return out_t
+
+
+def _facts(q: object, block_table: object, seq_lens: object, decode_query_len: object, method: object,
+           scatter_heads: object, reduce_dtype: object, validating: bool, query_start_loc: object) -> list[Fact]:
+    """What every rank must pass alike: what the merge's buffers (and, validating, the coverage
+    check's) are shaped by. Computed without raising (the local checks report bad arguments)."""
+    scatter = scatter_heads is True
+    chosen = method if method is not None else ("reduce_scatter" if scatter else "all_gather")
+    rows, heads, dim = dims(q, 3)
+    facts = [
+        Fact("method", "merge method", *name_code(chosen, METHODS)),
+        Fact("scatter_heads", "scatter_heads", int(scatter)),
+        Fact("reduce_dtype", "reduce_dtype", *dtype_code(reduce_dtype)),
+        Fact("validate", "validate (or MSA_VALIDATE)", int(validating)),
+        Fact("q", "row count", rows),
+        Fact("q", "head count", heads),
+        Fact("q", "head dim", dim),
+        Fact("q", "dtype", *dtype_code(q)) if isinstance(q, torch.Tensor) else Fact("q", "dtype", -1),
+    ]
+    if validating:  # the coverage check all-reduces [2, B, max_blocks]
+        batch, width = dims(block_table, 2)
+        facts += [
+            Fact("seq_lens", "batch size", dims(seq_lens, 1)[0]),
+            Fact("block_table", "row count B", batch),
+            Fact("block_table", "width max_blocks (validate compares the tables block by block)", width),
+            Fact("decode_query_len", "decode_query_len",
+                 decode_query_len if isinstance(decode_query_len, int) and not isinstance(decode_query_len, bool)
+                 else -1),
+            Fact("query_start_loc", "presence of query_start_loc", int(query_start_loc is not None)),
+        ]
+    return facts
+
+
+
+def _local_step(
+    info: GroupInfo,
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    decode_query_len: int,
+    method: str | None,
+    scatter_heads: bool,
+    reduce_dtype: torch.dtype | None,
+    kv_cache_dtype: str | None,
+    sm_scale: Scale | None,
+    q_scale: Scale,
+    k_scale: Scale,
+    v_scale: Scale,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+    backend: str,
+    validate: bool,
+    validating: bool,
+    query_start_loc: torch.Tensor | None,
+) -> tuple[Exchange, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """This rank's part of the step, before any collective: every check of its arguments, and
+    its local decode into the exchange's buffers. Returns the exchange, the outputs, and (when
+    validating) this rank's block usage for the coverage check."""
     check_flag("scatter_heads", scatter_heads)
     check_flag("return_lse", return_lse)
     check_flag("validate", validate)
     chosen = check_method(method if method is not None else ("reduce_scatter" if scatter_heads else "all_gather"),
                           scatter_heads)
-    info = group_info(group)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         given = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise MSAInputError("q", "a 3-D tensor [B*L, Hq, D]", given)
@@ -173,16 +269,21 @@ def sparse_decode(
     lse_t = lse
     if lse_t is None and return_lse:
         lse_t = torch.empty(shape[:2], dtype=torch.float32, device=q.device)
-    exchange.check_outputs(out_t, lse_t)  # before the local decode: every rank fails alike
-    if validation_requested(validate):
+    exchange.check_outputs(out_t, lse_t)
+    check_outputs_apart(out_t, lse_t, (
+        ("q", q), ("kv_cache", kv_cache), ("topk_indices", topk_indices), ("block_table", block_table),
+        ("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("sm_scale", sm_scale),
+        ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale),
+    ))
+    usage = None
+    if validating:
         # msa's single-GPU deep checks would reject the -1 entries of the rank-local table
-        check_same_shapes(info, tuple(q.shape), q.dtype)
         problem, inputs = check_decode_inputs(
             q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
             kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
             out=exchange.local_out, lse=exchange.local_lse, query_start_loc=query_start_loc,
         )
-        check_shard(info, problem, inputs, decode_query_len=decode_query_len, kv_cache_dtype=kv_cache_dtype)
+        usage = shard_usage(problem, inputs, decode_query_len=decode_query_len, kv_cache_dtype=kv_cache_dtype)
         run_checked(problem, inputs, backend, exchange.local_out, exchange.local_lse)
     else:
         msa.api.sparse_decode(
@@ -190,7 +291,4 @@ def sparse_decode(
             kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
             out=exchange.local_out, lse=exchange.local_lse, backend=backend, query_start_loc=query_start_loc,
         )
-    exchange.merge(out_t, lse_t)
-    if lse_t is not None:
-        return out_t, lse_t
-    return out_t
+    return exchange, out_t, lse_t, usage

@@ -29,12 +29,14 @@ from msa.distributed.combine import combine_into, correct_into
 from msa.distributed.group import GroupInfo, all_gather_into, all_reduce_, all_to_all_into, reduce_scatter_into
 from msa.errors import MSAInputError
 
-__all__ = ["Exchange", "FULL_METHODS", "SCATTERED_METHODS", "check_method"]
+__all__ = ["Exchange", "FULL_METHODS", "SCATTERED_METHODS", "METHODS", "check_method"]
 
 #: Methods that give every rank all heads.
 FULL_METHODS: tuple[str, ...] = ("all_gather", "all_to_all", "all_reduce")
 #: Methods that give each rank its `H / W` heads (tensor-parallel engines).
 SCATTERED_METHODS: tuple[str, ...] = ("reduce_scatter", "all_to_all", "all_gather")
+#: Every method, once.
+METHODS: tuple[str, ...] = tuple(dict.fromkeys(FULL_METHODS + SCATTERED_METHODS))
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,6 +62,8 @@ def _packed(buffer: torch.Tensor, rows: int, heads: int, dim: int, lse_units: in
     n_out, total = _packed_size(rows, heads, dim, lse_units)
     lead = buffer.shape[:-1]
     out = buffer[..., : rows * heads * dim].view(*lead, rows, heads, dim)
+    if rows * heads == 0:  # no LSEs (an empty step): an empty buffer's strides may not allow the fp32 view
+        return out, torch.empty((*lead, rows, heads), dtype=torch.float32, device=buffer.device)
     lse = buffer[..., n_out:total].view(torch.float32).view(*lead, rows, heads)
     return out, lse
 

@@ -10,14 +10,15 @@ CUDA graphs.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
 from msa.distributed.combine import combine_partials
-from msa.distributed.exchange import Exchange, check_method
-from msa.distributed.group import GroupInfo, ProcessGroup, group_info
+from msa.distributed.exchange import METHODS, Exchange, check_method
+from msa.distributed.group import ProcessGroup, group_info
 from msa.errors import MSAInputError
+from msa.validation import check_flag
 
-__all__ = ["combine_partials", "merge_partials", "merge_partials_scattered", "check_same_shapes"]
+__all__ = ["combine_partials", "merge_partials", "merge_partials_scattered"]
 
 
 def _check_partials(out: object, lse: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,34 +35,42 @@ def _check_partials(out: object, lse: object) -> tuple[torch.Tensor, torch.Tenso
     return out, lse
 
 
-def check_same_shapes(info: GroupInfo, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Every rank of the group passes the same `shape` and `dtype` (a collective that reads the
-    host: for `validate=True` only). `MSAInputError` on every rank otherwise."""
-    mine = (tuple(shape), str(dtype))
-    seen: list[object] = [None] * info.world_size
-    dist.all_gather_object(seen, mine, group=info.group)
-    if any(s != mine for s in seen):
-        raise MSAInputError("out", "the same shape and dtype on every rank of the group", f"{seen} (by rank)")
-
-
 def _merge(out: object, lse: object, group: ProcessGroup | None, method: str, scatter_heads: bool,
            reduce_dtype: torch.dtype | None, validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    part, part_lse = _check_partials(out, lse)
-    check_method(method, scatter_heads)
-    info = group_info(group)
-    if validate:
-        check_same_shapes(info, tuple(part.shape), part.dtype)
-    rows, heads, dim = part.shape
-    exchange = Exchange(
-        info, rows=rows, heads=heads, head_dim=dim, dtype=part.dtype, device=part.device, method=method,
-        scatter_heads=scatter_heads, reduce_dtype=reduce_dtype,
-    )
-    exchange.local_out.copy_(part)
-    exchange.local_lse.copy_(part_lse)
+    info = group_info(group)  # the same on every rank, or no group to agree in
+    rows, heads, dim = dims(out, 3)
+    facts = [
+        Fact("method", "merge method", *name_code(method, METHODS)),
+        Fact("reduce_dtype", "reduce_dtype", *dtype_code(reduce_dtype)),
+        Fact("out", "row count", rows),
+        Fact("out", "head count", heads),
+        Fact("out", "head dim", dim),
+        Fact("out", "dtype", *dtype_code(out)) if isinstance(out, torch.Tensor) else Fact("out", "dtype", -1),
+    ]
+    prepared: tuple[Exchange, torch.Tensor] | None = None
+    error: Exception | None = None
+    try:  # this rank's checks: any error is agreed on before the merge's collectives
+        check_flag("validate", validate)
+        part, part_lse = _check_partials(out, lse)
+        check_method(method, scatter_heads)
+        exchange = Exchange(
+            info, rows=rows, heads=heads, head_dim=dim, dtype=part.dtype, device=part.device, method=method,
+            scatter_heads=scatter_heads, reduce_dtype=reduce_dtype,
+        )
+        exchange.local_out.copy_(part)
+        exchange.local_lse.copy_(part_lse)
+        prepared = exchange, part
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+        error = exc
+    call = "merge_partials_scattered" if scatter_heads else "merge_partials"
+    agree(info, call, facts, error, out.device if isinstance(out, torch.Tensor) else None)
+    assert prepared is not None
+    exchange, part = prepared
     merged = torch.empty((rows, exchange.out_heads, dim), dtype=part.dtype, device=part.device)
     merged_lse = torch.empty((rows, exchange.out_heads), dtype=torch.float32, device=part.device)
     exchange.merge(merged, merged_lse)
     return merged, merged_lse
+
 
 
 def merge_partials(
@@ -86,7 +95,8 @@ def merge_partials(
             then an all-gather of the combined heads; needs `Hq % W == 0`) or "all_reduce"
             (all-gather of LSEs, local correction, all-reduce). See docs/distributed.md.
         reduce_dtype: dtype of the all-reduce of "all_reduce" (default fp32).
-        validate: first check that every rank passes the same shapes (a host round trip).
+        validate: kept for compatibility: every call checks that every rank passes the same
+            shapes (see Raises).
 
     Returns:
         `(out, lse)`: `[T, Hq, D]` in `out`'s dtype and fp32 `[T, Hq]`, the same on every rank.
@@ -94,8 +104,11 @@ def merge_partials(
         of a row is empty (`lse = -inf`) contributes nothing to it.
 
     Raises:
-        MSAInputError: bad shapes, an unknown method, `Hq % W != 0` for "all_to_all", or
-            torch.distributed not initialised.
+        MSAInputError: bad shapes, an unknown method, `Hq % W != 0` for "all_to_all", shapes
+            that differ between ranks, or torch.distributed not initialised. On every rank
+            alike: the group agrees on each rank's checks first (one all-gather of a few int64
+            per rank, read on the host; none inside CUDA-graph capture), and a rank whose checks
+            failed raises its own error, the others one naming that rank.
     """
     return _merge(out, lse, group, method, False, reduce_dtype, validate)
 
@@ -122,12 +135,14 @@ def merge_partials_scattered(
             default; default here), "all_to_all" (one all-to-all of head chunks) or "all_gather".
         reduce_dtype: dtype of the reduce-scatter (default fp32, exact to the partials'
             rounding; `out`'s dtype halves the bytes, as vLLM does, at one rounding per rank).
-        validate: first check that every rank passes the same shapes.
+        validate: kept for compatibility: every call checks that every rank passes the same
+            shapes.
 
     Returns:
         `(out, lse)`: `[T, Hq/W, D]` and fp32 `[T, Hq/W]`: this rank's heads.
 
     Raises:
-        MSAInputError: `Hq` not divisible by the group size, bad shapes, an unknown method.
+        MSAInputError: `Hq` not divisible by the group size, bad shapes, an unknown method,
+            shapes that differ between ranks; on every rank alike (see `merge_partials`).
     """
     return _merge(out, lse, group, method, True, reduce_dtype, validate)

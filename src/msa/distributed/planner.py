@@ -16,12 +16,15 @@ and never copies device data to the host, so with NCCL it can be captured in a C
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import attrs
 import torch
 
-from msa.distributed.checks import check_shard, run_checked
-from msa.distributed.exchange import Exchange, check_method
+from msa.distributed.agreement import Fact, agree, dtype_code, name_code
+from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
+from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import GroupInfo, ProcessGroup, group_info
 from msa.errors import MSAInputError
 from msa.layouts import KVCache
@@ -59,6 +62,15 @@ class DistributedDecodePlan:
         found = {f"local.{k}": v for k, v in self.local.buffers().items()}
         found.update({f"exchange.{k}": v for k, v in self.exchange.buffers().items()})
         return found
+
+
+def _inputs(plan: DistributedDecodePlan, q: object, kv_cache: object, topk_indices: object, sm_scale: object,
+            q_scale: object, k_scale: object, v_scale: object) -> tuple[tuple[str, object], ...]:
+    """Everything a run reads, by name (for `check_outputs_apart`)."""
+    tables = plan.local.tables
+    return (("q", q), ("kv_cache", kv_cache), ("topk_indices", topk_indices), ("block_table", tables.block_table),
+            ("seq_lens", tables.seq_lens), ("query_start_loc", tables.query_start_loc), ("sm_scale", sm_scale),
+            ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))
 
 
 class DistributedDecodePlanner:
@@ -122,6 +134,7 @@ class DistributedDecodePlanner:
         self.out_heads = geometry.num_q_heads // w if scatter_heads else geometry.num_q_heads
         self.plans: PlanCache[PlanKey, DistributedDecodePlan] = PlanCache(max_plans)
         self._token = object()
+        self._busy = threading.Lock()
 
     def __repr__(self) -> str:
         form = "scattered heads" if self.scatter_heads else "all heads"
@@ -143,7 +156,18 @@ class DistributedDecodePlanner:
     ) -> DistributedDecodePlan:
         """The plan for this step's shape (see `msa.DecodePlanner.plan`), with `block_table`
         this rank's table. Call outside graph capture, every step; the same shape returns the
-        same object, refreshed in place. Not a collective."""
+        same object, refreshed in place. Not a collective.
+
+        Raises:
+            MSAInputError: a bad argument, or a call while another thread uses this planner
+                (`plan`, `run` and `clear` are one atomic step each: a planner serves one thread).
+        """
+        with self._exclusive():
+            return self._plan(block_table, seq_lens, decode_query_len, seq_lens_cpu, query_start_loc, num_rows)
+
+    def _plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, decode_query_len: int,
+              seq_lens_cpu: torch.Tensor | None, query_start_loc: torch.Tensor | None,
+              num_rows: int | None) -> DistributedDecodePlan:
         local = self.local.plan(
             block_table, seq_lens, decode_query_len=decode_query_len, seq_lens_cpu=seq_lens_cpu,
             query_start_loc=query_start_loc, num_rows=num_rows,
@@ -185,7 +209,15 @@ class DistributedDecodePlanner:
         never copies device data to the host (`validate=True` or `MSA_VALIDATE=1` do: they run
         the checks of `msa.distributed.checks`, collectives included, on every rank). Before
         capturing, run it once eagerly on every rank (warm-up: Triton compilation, NCCL
-        communicator set-up).
+        communicator set-up) — with `validate=True`, so that errors are raised on every rank.
+
+        Errors: with `validate=True` every rank checks its arguments and decodes its share, then
+        the group agrees on the outcome (`msa.distributed.agreement`: one small all-gather read
+        on the host) before any other collective, so an error found on one rank — or shapes
+        that differ between ranks — is raised on every rank. Without it `run` makes no host
+        round trip (it is what a graph captures): an argument error is raised before any
+        collective, but on its own rank only, and the other ranks wait in the merge until the
+        group's timeout. Pass the same `validate` on every rank.
 
         Args:
             q: `[B*L, Hq, D]` of the planner's `q_dtype` (global: the same on every rank).
@@ -196,12 +228,35 @@ class DistributedDecodePlanner:
             lse: optional fp32 `[B*L, Hq]` (or `Hq/W`) for the merged natural-log LSE.
             sm_scale, q_scale, k_scale, v_scale: floats or one-element fp32 device tensors.
         """
-        self._check_plan(plan)
-        check_flag("validate", validate)
-        exchange = plan.exchange
-        exchange.check_outputs(out, lse)  # before the local decode: fail on every rank alike
-        if validation_requested(validate):  # msa's own deep checks would reject the table's -1s
+        with self._exclusive():  # the plan's checks, the local decode and the merge: one atomic step
+            if isinstance(validate, bool) and validation_requested(validate):
+                self._run_validated(plan, q, kv_cache, topk_indices, out, lse, sm_scale, q_scale, k_scale, v_scale)
+                return
+            self._check_plan(plan)
+            check_flag("validate", validate)
+            exchange = plan.exchange
+            exchange.check_outputs(out, lse)  # before the local decode
+            check_outputs_apart(out, lse, _inputs(plan, q, kv_cache, topk_indices, sm_scale, q_scale, k_scale, v_scale))
+            self.local.run(
+                plan.local, q, kv_cache, topk_indices, out=exchange.local_out, lse=exchange.local_lse,
+                sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+            )
+            exchange.merge(out, lse)
+
+    def _run_validated(self, plan: DistributedDecodePlan, q: torch.Tensor, kv_cache: KVCache,
+                       topk_indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                       sm_scale: Scale | None, q_scale: Scale, k_scale: Scale, v_scale: Scale) -> None:
+        """`run` with the deep checks: this rank's checks and local decode, the group's
+        agreement on them (raised on every rank alike), the coverage check, the merge."""
+        facts = self._facts(plan)
+        usage: torch.Tensor | None = None
+        error: Exception | None = None
+        try:
+            self._check_plan(plan)
+            exchange = plan.exchange
+            exchange.check_outputs(out, lse)
             tables, length = plan.local.tables, plan.local.problem.query_len
+            check_outputs_apart(out, lse, _inputs(plan, q, kv_cache, topk_indices, sm_scale, q_scale, k_scale, v_scale))
             problem, inputs = check_decode_inputs(
                 q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, decode_query_len=length,
                 kv_cache_dtype=self.local.kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
@@ -212,15 +267,39 @@ class DistributedDecodePlanner:
                     "q / kv_cache / topk_indices", f"the planner's geometry ({self.geometry.describe()}) and q dtype "
                     f"{self.local.q_dtype}", f"{problem.geometry.describe()}, {problem.q_dtype}",
                 )
-            check_shard(self.info, problem, inputs, decode_query_len=length,
-                        kv_cache_dtype=self.local.kv_cache_dtype)
+            usage = shard_usage(problem, inputs, decode_query_len=length, kv_cache_dtype=self.local.kv_cache_dtype)
             run_checked(problem, inputs, plan.local.backend, exchange.local_out, exchange.local_lse)
-        else:
-            self.local.run(
-                plan.local, q, kv_cache, topk_indices, out=exchange.local_out, lse=exchange.local_lse,
-                sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-            )
-        exchange.merge(out, lse)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+            error = exc
+        agree(self.info, "DistributedDecodePlanner.run", facts, error, self.local.device)
+        assert usage is not None
+        check_coverage(self.info, usage)
+        plan.exchange.merge(out, lse)
+
+    def _facts(self, plan: object) -> list[Fact]:
+        """What every rank's validated run must have alike (the merge's and the coverage
+        check's shapes), computed without raising."""
+        g = self.geometry
+        facts = [
+            Fact("method", "merge method", *name_code(self.method, METHODS)),
+            Fact("scatter_heads", "scatter_heads", int(self.scatter_heads)),
+            Fact("reduce_dtype", "reduce_dtype", *dtype_code(self.reduce_dtype)),
+            Fact("geometry", "head count", g.num_q_heads),
+            Fact("geometry", "head dim", g.head_dim),
+            Fact("q_dtype", "q_dtype", *dtype_code(self.local.q_dtype)),
+        ]
+        rows = batch = width = length = ragged = -1
+        if isinstance(plan, DistributedDecodePlan):
+            rows, length = plan.exchange.rows, plan.local.problem.query_len
+            batch, width = (int(x) for x in plan.local.tables.block_table.shape)
+            ragged = int(plan.local.problem.ragged)
+        return facts + [
+            Fact("plan", "row count", rows),
+            Fact("block_table", "row count B", batch),
+            Fact("block_table", "width max_blocks (validate compares the tables block by block)", width),
+            Fact("decode_query_len", "decode_query_len", length),
+            Fact("query_start_loc", "presence of query_start_loc", ragged),
+        ]
 
     def _check_plan(self, plan: object) -> None:
         if not isinstance(plan, DistributedDecodePlan):
@@ -240,9 +319,24 @@ class DistributedDecodePlanner:
                 "A planner serves one thread: create one per thread.",
             )
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Refuse concurrent use from two threads (a planner is not thread-safe): the whole of
+        `plan`, `run` and `clear`, checks included, happens under one non-blocking lock."""
+        if not self._busy.acquire(blocking=False):
+            raise MSAInputError(
+                "DistributedDecodePlanner", "use from one thread at a time", "a call while another thread is using it",
+                "A planner serves one thread: create one per thread.",
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     def clear(self) -> None:
         """Forget every plan and retire those still held (graphs captured with them must be
         captured again)."""
-        for plan in self.plans.clear():
-            plan.retired = True
-        self.local.clear()
+        with self._exclusive():
+            for plan in self.plans.clear():
+                plan.retired = True
+            self.local.clear()
