@@ -136,14 +136,14 @@ def test_direct_launches_follow_new_tensors_and_alignments(layout: str) -> None:
 
     geometry = msa.Geometry(16, 2, 128, 128, 4)
     taken: list[int] = []
-    original = launch._Kernel.__call__
+    original = launch.DirectKernel.__call__
 
     def spy(self: Any, args: dict[str, Any], direct: bool) -> None:
         taken.append(int(direct and bool(self.compiled)))
         original(self, args, direct)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch._Kernel, "__call__", spy)
+        mp.setattr(launch.DirectKernel, "__call__", spy)
         for seed in range(4):
             step = make_decode_step(geometry, batch_size=5, context_len=700, kv_cache_dtype=layout, seed=seed,
                                     device="cuda")

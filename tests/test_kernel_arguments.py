@@ -104,7 +104,7 @@ def test_direct_launch_path_twice_under_the_interpreter(strategy: str, gen: torc
     the same arguments (Triton's launch path), after the same binding, twice."""
     from msa.backends.triton import launch
 
-    monkeypatch.setattr(launch, "_direct_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch, "direct_launch_enabled", lambda: True)
     kw, problem, inputs = _step("fp8_e4m3", False, False, False, gen)
     backend = TritonBackend(**STRATEGIES[strategy])
     plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))

@@ -10,6 +10,8 @@ owned by no request get position -1.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from msa.platform import triton_available
@@ -51,6 +53,7 @@ class RowMetadata:
         self.req_start = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * query_len
         self.kv_lens = kv_lens if kv_lens is not None else torch.zeros_like(rows)
         self.q_pos = q_pos if q_pos is not None else torch.zeros_like(rows)
+        self._kernel: Any = None  # the refresh kernel's launcher, made on the first refresh on CUDA
         for name, buf in (("kv_lens", self.kv_lens), ("q_pos", self.q_pos)):
             if buf.dtype != torch.int32 or tuple(buf.shape) != (self.num_rows,):
                 raise ValueError(
@@ -112,11 +115,14 @@ class RowMetadata:
         if kernel is None:
             kernel = seq_lens.is_cuda and triton_available()
         if kernel:
+            from msa.launcher import DirectKernel, direct_launch_enabled
             from msa.planning.kernels import BLOCK, refresh_rows_kernel
 
-            refresh_rows_kernel[(-(-self.num_rows // BLOCK),)](
-                seq_lens, self.row_request, self.row_shift, self.kv_lens, self.q_pos, self.num_rows, BLOCK=BLOCK
-            )
+            if self._kernel is None:  # the rows, hence the grid and the integer arguments, never change
+                self._kernel = DirectKernel(refresh_rows_kernel, (-(-self.num_rows // BLOCK),))
+            self._kernel(dict(seq_lens_ptr=seq_lens, row_request_ptr=self.row_request, row_shift_ptr=self.row_shift,
+                              kv_lens_ptr=self.kv_lens, q_pos_ptr=self.q_pos, num_rows=self.num_rows, BLOCK=BLOCK),
+                         direct_launch_enabled())
             return
         torch.index_select(seq_lens, 0, self.row_request, out=self.kv_lens)
         # in int64: a length near -2**31 must not wrap around to a huge position

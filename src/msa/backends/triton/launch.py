@@ -11,9 +11,6 @@ turns direct launches off).
 
 from __future__ import annotations
 
-import functools
-import inspect
-import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -30,13 +27,14 @@ from msa.backends.triton.kernels import (
     split_decode_kernel,
     split_dedup_kernel,
 )
+from msa.launcher import DirectKernel, bind_arguments, direct_launch_enabled, interpreting, kernel_parameters
 from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
 from msa.scales import Scale
 from msa.validation import DecodeInputs
 
 __all__ = ["launch_decode", "step_launches", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo",
-           "kernel_parameters", "bind_arguments"]
+           "kernel_parameters", "bind_arguments"]  # the launcher's three: re-exported for the tests and benchmarks
 
 #: The tensor arguments of the decode kernels (replaced per call; everything else is static for
 #: a call signature).
@@ -45,11 +43,6 @@ _TENSOR_ARGS = ("q_ptr", "k_ptr", "v_ptr", "topk_ptr", "table_ptr", "out_ptr", "
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _COMPUTE = {"fp16": tl.float16, "bf16": tl.bfloat16}
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run on the CPU through the interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
 class Workspace:
@@ -176,84 +169,8 @@ def _kernel_constants(problem: DecodeProblem, config: LaunchConfig) -> dict[str,
     return constants
 
 
-def _direct_launch_enabled() -> bool:
-    return not interpreting() and os.environ.get("MSA_TRITON_DIRECT_LAUNCH", "1") != "0"
-
-
-@functools.cache
-def kernel_parameters(fn: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """A Triton kernel's parameter names in order and the defaults of those that have one (from
-    the Python function under the `@triton.jit` wrapper, compiled or interpreted alike; read once
-    per kernel)."""
-    params = inspect.signature(fn.fn).parameters
-    names = tuple(params)
-    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-    return names, defaults
-
-
-def bind_arguments(fn: Any, args: dict[str, Any]) -> list[Any]:
-    """The values of a kernel's parameters in order, as its compiled launcher takes them: each
-    from `args`, else the parameter's default. Raises `TypeError` naming every parameter neither
-    gives (a launcher/kernel mismatch), as Triton's own launch path would."""
-    names, defaults = kernel_parameters(fn)
-    missing = [n for n in names if n not in args and n not in defaults]
-    if missing:
-        raise TypeError(f"{fn.fn.__name__}: no value for parameter(s) {', '.join(missing)}")
-    return [args[n] if n in args else defaults[n] for n in names]
-
-
-class _Kernel:
-    """One Triton kernel of a plan's call signature: launched through Triton the first time (which
-    compiles it), then directly through its compiled launcher while the pointer alignments
-    (Triton specialises on 16-byte alignment) are the same. Which arguments are tensors is fixed
-    by the call signature, so their positions are found once. Parameters the arguments leave out
-    take the kernel's own defaults (`bind_arguments`), on both paths."""
-
-    def __init__(self, fn: Any, grid: tuple[int, ...]) -> None:
-        self.fn = fn
-        self.grid = (grid + (1, 1))[:3]
-        self.compiled: dict[tuple[bool, ...], Any] = {}
-        self.tensor_positions: tuple[int, ...] | None = None
-        self.stream: Callable[[], int] | None = None
-
-    def __call__(self, args: dict[str, Any], direct: bool) -> None:
-        if not direct:
-            self.fn[self.grid](**args)
-            return
-        values = bind_arguments(self.fn, args)
-        positions = self.tensor_positions
-        if positions is None:
-            positions = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
-        aligned = tuple(values[i].data_ptr() % 16 == 0 for i in positions)
-        compiled = self.compiled.get(aligned)
-        if compiled is None or self.stream is None:
-            compiled = self.fn[self.grid](**args)
-            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
-                self.compiled[aligned] = compiled
-                self.tensor_positions = positions
-                self.stream = _stream_getter()
-            return
-        from triton import knobs
-
-        stream = self.stream()
-        runtime = knobs.runtime
-        g0, g1, g2 = self.grid
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(self.grid, stream, *values), runtime.launch_enter_hook,
-                     runtime.launch_exit_hook, *values)
-
-
-def _stream_getter() -> Callable[[], int]:
-    """The raw handle of the current stream of the current device, as Triton's launcher wants it."""
-    from triton.runtime import driver
-
-    active = driver.active
-    get_stream, get_device = active.get_current_stream, active.get_current_device
-    return lambda: get_stream(get_device())
-
-
 #: A kernel of a step and the function that turns the decode arguments into its own.
-_Launch = tuple[_Kernel, Callable[[dict[str, Any]], dict[str, Any]]]
+_Launch = tuple[DirectKernel, Callable[[dict[str, Any]], dict[str, Any]]]
 
 
 class LaunchMemo:
@@ -282,19 +199,19 @@ def _launches(
     launches: list[_Launch] = []
     grid = (_programs(problem, config), config.num_splits)
     if config.dedup:
-        launches.append((_Kernel(split_dedup_kernel, grid), lambda a: a))
+        launches.append((DirectKernel(split_dedup_kernel, grid), lambda a: a))
     else:
         kernel = nvfp4_decode_kernel if problem.layout.block_scaled else split_decode_kernel
         merge_args = dict(counter_ptr=workspace.counters, IN_KERNEL_MERGE=config.in_kernel_merge,
                           MERGE_FENCE=config.merge_fence and not interpreting())
-        launches.append((_Kernel(kernel, grid), lambda a: dict(a, **merge_args)))
+        launches.append((DirectKernel(kernel, grid), lambda a: dict(a, **merge_args)))
     if config.num_splits > 1 and not config.in_kernel_merge:
         merge_constants = dict(
             part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml, q_pos_ptr=rows.q_pos,
             NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
             BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(), WRITE_LSE=with_lse, num_warps=4,
         )
-        launches.append((_Kernel(merge_kernel, (problem.num_rows * g.num_q_heads,)), lambda a: dict(
+        launches.append((DirectKernel(merge_kernel, (problem.num_rows * g.num_q_heads,)), lambda a: dict(
             merge_constants, out_ptr=a["out_ptr"], lse_ptr=a["lse_ptr"], v_scale_ptr=a["v_scale_ptr"],
             v_scale=a["v_scale"], stride_or=a["stride_or"], stride_oh=a["stride_oh"], stride_lr=a["stride_lr"],
             stride_lh=a["stride_lh"], V_SCALE_PTR=a["V_SCALE_PTR"])))
@@ -302,7 +219,7 @@ def _launches(
         # rows owned by no request: no dedup program covers them (the merge zeroes them when split)
         pad_constants = dict(q_pos_ptr=rows.q_pos, NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim,
                              BLOCK_H=1 << max(g.num_q_heads - 1, 0).bit_length(), WRITE_LSE=with_lse)
-        launches.append((_Kernel(pad_rows_kernel, (problem.num_rows,)), lambda a: dict(
+        launches.append((DirectKernel(pad_rows_kernel, (problem.num_rows,)), lambda a: dict(
             pad_constants, out_ptr=a["out_ptr"], lse_ptr=a["lse_ptr"], stride_or=a["stride_or"],
             stride_oh=a["stride_oh"], stride_lr=a["stride_lr"], stride_lh=a["stride_lh"])))
     return launches
@@ -317,7 +234,7 @@ def step_launches(
     config: LaunchConfig,
     workspace: Workspace,
     memo: LaunchMemo | None = None,
-) -> list[tuple[_Kernel, dict[str, Any]]]:
+) -> list[tuple[DirectKernel, dict[str, Any]]]:
     """Each kernel of the step with its named arguments: built in full the first time a call
     signature is seen (and remembered in `memo`), from the remembered static ones and this call's
     tensors after that."""
@@ -356,6 +273,6 @@ def launch_decode(
     `lse`. Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
     if problem.num_rows == 0:
         return
-    direct = memo is not None and inputs.signature is not None and _direct_launch_enabled()
+    direct = memo is not None and inputs.signature is not None and direct_launch_enabled()
     for kernel, args in step_launches(problem, inputs, rows, out, lse, config, workspace, memo):
         kernel(args, direct)
