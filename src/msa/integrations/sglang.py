@@ -35,9 +35,11 @@ import torch
 
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.integrations.sglang_kernels import BLOCK, sglang_tables_kernel
+from msa.launcher import DirectKernel, direct_launch_enabled, interpreting
 from msa.validation import check_tensor
 
-__all__ = ["flash_decode_with_gqa_share_sparse", "sglang_block_table", "pools_as_pages"]
+__all__ = ["flash_decode_with_gqa_share_sparse", "sglang_block_table", "step_tables", "pools_as_pages"]
 
 
 def pools_as_pages(
@@ -62,6 +64,45 @@ def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block
     logical block, read from the first slot of the block (`req_to_token[slot, j*bs] // bs`)."""
     firsts = req_to_token.index_select(0, slot_ids.long())[:, ::block_size]
     return torch.div(firsts, block_size, rounding_mode="floor").to(torch.int32)
+
+
+def step_tables(
+    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, topk_idx: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """msa's `(block_table, seq_lens)` for a step on SGLang's structures: the table `[B,
+    ceil(max_context / block_size)]` (written only where a list of `topk_idx` selects a block: msa
+    reads no other entry) and the lengths clamped to `max_context`, 0 for a row whose `slot_ids`
+    entry is not a row of `req_to_token`. One kernel launch on a GPU (launched directly after the
+    first call of a shape); torch ops over whole rows elsewhere."""
+    max_reqs, max_context = req_to_token.shape
+    batch = seq_lens.shape[0]
+    max_blocks = -(-max_context // block_size)
+    valid = (slot_ids >= 0) & (slot_ids < max_reqs)
+    if not (req_to_token.is_cuda or interpreting()) or topk_idx.dim() != 3 or topk_idx.shape[1] != batch:
+        lens = torch.where(valid, seq_lens.clamp(max=max_context), 0).to(torch.int32)
+        return sglang_block_table(req_to_token, torch.where(valid, slot_ids, 0), block_size), lens
+    table = torch.empty((batch, max_blocks), dtype=torch.int32, device=req_to_token.device)
+    lens = torch.empty((batch,), dtype=torch.int32, device=req_to_token.device)
+    entries = topk_idx.numel()
+    args = dict(
+        topk_ptr=topk_idx, req_to_token_ptr=req_to_token, slot_ids_ptr=slot_ids, seq_lens_ptr=seq_lens,
+        table_ptr=table, lens_ptr=lens, num_entries=entries, batch=batch, topk=topk_idx.shape[2], max_reqs=max_reqs,
+        max_context=max_context, max_blocks=max_blocks, stride_th=topk_idx.stride(0), stride_tb=topk_idx.stride(1),
+        stride_tk=topk_idx.stride(2), stride_rr=req_to_token.stride(0), stride_rt=req_to_token.stride(1),
+        BLOCK_SIZE=block_size, BLOCK=BLOCK,
+    )
+    signature = tuple((k, v) if not isinstance(v, torch.Tensor) else (k, v.dtype, v.device) for k, v in args.items())
+    kernel = _KERNELS.get(signature)
+    if kernel is None:
+        if len(_KERNELS) >= 64:
+            _KERNELS.clear()
+        kernel = _KERNELS[signature] = DirectKernel(sglang_tables_kernel, (-(-max(entries, batch) // BLOCK),))
+    kernel(args, direct_launch_enabled())
+    return table, lens
+
+
+#: The table kernel's launchers, per call signature (integer arguments and tensor dtypes).
+_KERNELS: dict[tuple[object, ...], DirectKernel] = {}
 
 
 def flash_decode_with_gqa_share_sparse(
@@ -108,10 +149,10 @@ def flash_decode_with_gqa_share_sparse(
         check_tensor(name, t, q.device)
     if req_to_token.dim() != 2:
         raise MSAInputError("req_to_token", "[max_reqs, max_context]", f"shape {tuple(req_to_token.shape)}")
-    max_reqs, max_context = req_to_token.shape
-    valid = (slot_ids >= 0) & (slot_ids < max_reqs)
-    lens = torch.where(valid, seq_lens.clamp(max=max_context), 0).to(torch.int32)
-    table = sglang_block_table(req_to_token, torch.where(valid, slot_ids, 0), block_size)
+    if seq_lens.dim() != 1 or slot_ids.shape != seq_lens.shape:
+        raise MSAInputError("slot_ids / seq_lens", "two [B] tensors", f"shapes {tuple(slot_ids.shape)} / "
+                            f"{tuple(seq_lens.shape)}")
+    table, lens = step_tables(req_to_token, slot_ids, seq_lens, topk_idx, block_size)
     out = sparse_decode(
         q,
         pools_as_pages(k_cache, v_cache, block_size),
