@@ -9,6 +9,7 @@ import torch
 
 import msa
 from msa.errors import MSAError, MSAInputError, MSAUnsupportedError
+from msa.layouts import get_layout
 from msa.validation import check_decode_inputs
 
 B, L, HQ, HKV, D, P, K, MB, PAGES = 2, 2, 8, 2, 64, 16, 4, 4, 10
@@ -54,7 +55,8 @@ def test_errors_are_msa_and_value_errors() -> None:
         (dict(q=torch.zeros(4, 8)), r"^q: expected a 3-D tensor \[B\*L, Hq, D\], got shape \(4, 8\)"),
         (dict(q=torch.zeros(4, 8, 64)), r"^q: expected dtype bfloat16, float16 or float8_e4m3fn, got torch.float32"),
         (dict(q=torch.zeros(4, 64, 8).bfloat16().transpose(1, 2)), r"^q: expected unit stride in the last dimension"),
-        (dict(q=torch.zeros(4, 8, 32).bfloat16()), r"^q: expected head dim 64 \(the head dim of kv_cache\), got head dim 32"),
+        (dict(q=torch.zeros(4, 8, 32).bfloat16()), r"^q / kv_cache: expected the same head dim, got head dim 32 in q and 64 in kv_cache \(a last dimension of 128 in the bfloat16 layout\)"),
+        (dict(kv_cache=torch.zeros(10, HKV, P, 2 * D - 6).bfloat16()), r"^q / kv_cache: expected the same head dim, got head dim 64 in q and 61 in kv_cache \(a last dimension of 122"),
         (dict(q=torch.zeros(4, 7, 64).bfloat16()), r"^q: expected a number of heads divisible by the cache's 2 KV heads, got 7 heads"),
         (dict(q=torch.zeros(6, 8, 64).bfloat16()), r"^q: expected B\*L = 2\*2 = 4 rows .* got 6 rows"),
         (dict(kv_cache=torch.zeros(PAGES, HKV, P, 2 * D)), r"^kv_cache: expected dtype bfloat16, float16, float8_e4m3fn or uint8"),
@@ -262,3 +264,22 @@ def test_the_problem_says_whether_vector_loads_may_read_the_step(layout: str) ->
     # the reference reads a misaligned step as any other
     out = msa.sparse_decode(**{**kw, "q": q_odd}, backend="reference")
     torch.testing.assert_close(out, msa.sparse_decode(**kw, backend="reference"))
+
+
+def test_first_hour_edges() -> None:
+    """decode_query_len defaults to one token; a CUDA cache without CUDA, an unknown TP size and a
+    cache of the wrong width each get a named msa error."""
+    kw = good()
+    one = dict(kw, q=kw["q"][::L].contiguous(), topk_indices=kw["topk_indices"][:, ::L].contiguous())
+    del one["decode_query_len"]
+    out = msa.sparse_decode(**one)
+    assert out.shape == (B, HQ, D)
+    assert torch.equal(out, msa.sparse_decode(**one, decode_query_len=1))
+    if not torch.cuda.is_available():
+        with pytest.raises(MSAInputError, match=r"^device: expected a device this machine has"):
+            get_layout("fp8").allocate(4, 2, 16, 64, device="cuda")
+    with pytest.raises(KeyError) as info:
+        msa.MINIMAX_M3_TP[3]
+    assert isinstance(info.value, MSAInputError)
+    assert str(info.value).startswith("MINIMAX_M3_TP: expected a tensor-parallel size in [1, 2, 4, 8], got 3")
+    assert msa.MINIMAX_M3_TP.get(3) is None and msa.MINIMAX_M3_TP[8].num_q_heads == 8

@@ -60,7 +60,7 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
+    decode_query_len: int = ...,
     kv_cache_dtype: str | None = ...,
     sm_scale: Scale | None = ...,
     q_scale: Scale = ...,
@@ -83,7 +83,7 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
+    decode_query_len: int = ...,
     kv_cache_dtype: str | None = ...,
     sm_scale: Scale | None = ...,
     q_scale: Scale = ...,
@@ -106,7 +106,7 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
+    decode_query_len: int = ...,
     kv_cache_dtype: str | None = ...,
     sm_scale: Scale | None = ...,
     q_scale: Scale = ...,
@@ -128,7 +128,7 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
+    decode_query_len: int = 1,
     kv_cache_dtype: str | None = None,
     sm_scale: Scale | None = None,
     q_scale: Scale = 1.0,
@@ -159,7 +159,7 @@ def sparse_decode(
         block_table: int32 `[B, max_blocks]`: block `j` of request `b` lives at page
             `block_table[b, j]`.
         seq_lens: int32 `[B]`: KV length of each request including its `L` new tokens.
-        decode_query_len: `L`, query tokens per request.
+        decode_query_len: `L`, query tokens per request (default 1: plain decode).
         kv_cache_dtype: "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "nvfp4", or None to
             infer it from the cache dtype.
         sm_scale: softmax scale, default `D ** -0.5`.

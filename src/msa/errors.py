@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MSAError", "MSAInputError", "MSAUnsupportedError", "MSAPluginError"]
+__all__ = ["MSAError", "MSAInputError", "MSAKeyError", "MSAUnsupportedError", "MSAPluginError"]
 
 
 class MSAError(Exception):
@@ -26,6 +26,13 @@ class MSAInputError(MSAError, ValueError):
         if hint:
             message += f". {hint}"
         super().__init__(message)
+
+
+class MSAKeyError(MSAInputError, KeyError):
+    """A key that one of msa's tables does not hold: an `MSAInputError` that is a `KeyError` too
+    (what a mapping raises), with the plain message."""
+
+    __str__ = Exception.__str__
 
 
 class MSAUnsupportedError(MSAError, NotImplementedError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, MSAKeyError
 from msa.layouts import KVCache, KVLayout, get_layout
 
 __all__ = ["Geometry", "DecodeProblem", "CACHE_FORMS", "MINIMAX_M3", "MINIMAX_M3_TP", "cache_form"]
@@ -98,8 +98,18 @@ class Geometry:
 #: MiniMax-M3's full (TP1) attention geometry: 64 query heads, 4 KV heads, D 128, 16 pages of 128.
 MINIMAX_M3 = Geometry(num_q_heads=64, num_kv_heads=4, head_dim=128, page_size=128, topk=16)
 
+class _PerRankGeometries(dict[int, Geometry]):
+    """Geometries by tensor-parallel size; an unknown size is an `MSAKeyError` naming the sizes."""
+
+    def __missing__(self, key: object) -> Geometry:
+        raise MSAKeyError(
+            "MINIMAX_M3_TP", f"a tensor-parallel size in {sorted(self)}", repr(key),
+            "msa.MINIMAX_M3.tensor_parallel(n) gives another size's geometry, where it divides the heads.",
+        )
+
+
 #: MiniMax-M3's per-rank geometry for each tensor-parallel size: 64/4, 32/2, 16/1, 8/1 heads.
-MINIMAX_M3_TP: dict[int, Geometry] = {tp: MINIMAX_M3.tensor_parallel(tp) for tp in (1, 2, 4, 8)}
+MINIMAX_M3_TP: dict[int, Geometry] = _PerRankGeometries((tp, MINIMAX_M3.tensor_parallel(tp)) for tp in (1, 2, 4, 8))
 
 
 @attrs.frozen

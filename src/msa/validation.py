@@ -337,9 +337,12 @@ def check_decode_inputs(
         raise MSAInputError("kv_cache", "at least one page", f"shape {tuple(first.shape)}")
     check_flag("return_lse", return_lse)
     rows, num_q_heads, head_dim = q_t.shape
-    if head_dim != shape.head_dim:
+    if head_dim != shape.head_dim:  # either may be the wrong one: name both, with the cache's last dimension
+        first = cache[0] if isinstance(cache, tuple) else cache
         raise MSAInputError(
-            "q", f"head dim {shape.head_dim} (the head dim of kv_cache)", f"head dim {head_dim}"
+            "q / kv_cache", "the same head dim",
+            f"head dim {head_dim} in q and {shape.head_dim} in kv_cache (a last dimension of {first.shape[-1]} "
+            f"in the {layout.name} layout)",
         )
     if num_q_heads % shape.num_kv_heads:
         raise MSAInputError(

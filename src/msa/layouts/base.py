@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from msa.errors import MSAInputError
-from msa.platform import triton_available
+from msa.platform import resolve_device, triton_available
 from msa.scales import Scale, check_scale
 
 __all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "cache_device", "cache_nbytes"]
@@ -232,6 +232,7 @@ class KVLayout(abc.ABC):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MSAInputError(argument, "a positive int", repr(value))
         self._check_geometry(page_size, head_dim)
+        device = resolve_device(device)  # a clear error for a CUDA device on a machine without one
         if separate:
             if not self.separable:
                 raise MSAInputError("separate", f"False for the {self.name!r} layout (one tensor of head slots)", True)
