@@ -13,7 +13,8 @@ import torch
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
 from msa.backends.triton.config import LaunchConfig, choose_config, dedup_wanted
-from msa.backends.triton.launch import LaunchMemo, Workspace, launch_decode
+from msa.backends.triton.launch import LaunchMemo, Workspace, step_launches
+from msa.launcher import direct_launch_enabled
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -86,4 +87,12 @@ class TritonBackend(Backend[TritonPlan]):
         return TritonPlan(problem, config, Workspace(problem, config, device), tables.rows)
 
     def run(self, plan: TritonPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        launch_decode(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace, plan.memo)
+        """Launch the step's kernels (the decode, and the merge when split unless the kernel merges)
+        into `out` / `lse`. Allocates nothing and never synchronises: every buffer is the caller's
+        or the plan's. A call with a call signature launches directly after its first time."""
+        if plan.problem.num_rows == 0:
+            return
+        direct = inputs.signature is not None and direct_launch_enabled()
+        for kernel, args in step_launches(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace,
+                                          plan.memo):
+            kernel(args, direct)

@@ -33,7 +33,7 @@ from msa.problem import DecodeProblem
 from msa.scales import Scale
 from msa.validation import DecodeInputs
 
-__all__ = ["launch_decode", "step_launches", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo",
+__all__ = ["step_launches", "interpreting", "Workspace", "ScaleArgs", "decode_args", "LaunchMemo",
            "kernel_parameters", "bind_arguments"]  # the launcher's three: re-exported for the tests and benchmarks
 
 #: The tensor arguments of the decode kernels (replaced per call; everything else is static for
@@ -257,22 +257,3 @@ def step_launches(
         for name in ("q_scale_ptr", "k_scale_ptr", "v_scale_ptr"):
             args.setdefault(name, out)
     return [(kernel, kernel_args(args)) for kernel, kernel_args in entry[1]]
-
-
-def launch_decode(
-    problem: DecodeProblem,
-    inputs: DecodeInputs,
-    rows: RowMetadata,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    config: LaunchConfig,
-    workspace: Workspace,
-    memo: LaunchMemo | None = None,
-) -> None:
-    """Run the decode kernel (and the merge when split, unless the kernel merges) into `out` /
-    `lse`. Allocates nothing and never synchronises: every buffer is the caller's or the plan's."""
-    if problem.num_rows == 0:
-        return
-    direct = memo is not None and inputs.signature is not None and direct_launch_enabled()
-    for kernel, args in step_launches(problem, inputs, rows, out, lse, config, workspace, memo):
-        kernel(args, direct)
