@@ -102,9 +102,9 @@ def test_direct_launch_path_twice_under_the_interpreter(strategy: str, gen: torc
     """The direct launcher's own binding, run: on a GPU the second call of a signature launches
     the compiled kernel with `bind_arguments`' values; here the interpreter runs the kernel with
     the same arguments (Triton's launch path), after the same binding, twice."""
-    from msa.backends.triton import launch
+    import msa.backends.triton as triton_backend
 
-    monkeypatch.setattr(launch, "direct_launch_enabled", lambda: True)
+    monkeypatch.setattr(triton_backend, "direct_launch_enabled", lambda: True)
     kw, problem, inputs = _step("fp8_e4m3", False, False, False, gen)
     backend = TritonBackend(**STRATEGIES[strategy])
     plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))

@@ -27,7 +27,7 @@ from msa.backends.triton.kernels import (
     split_decode_kernel,
     split_dedup_kernel,
 )
-from msa.launcher import DirectKernel, bind_arguments, direct_launch_enabled, interpreting, kernel_parameters
+from msa.launcher import DirectKernel, bind_arguments, interpreting, kernel_parameters
 from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
 from msa.scales import Scale
