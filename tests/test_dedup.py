@@ -161,3 +161,25 @@ def test_dedup_full_m3_shapes_on_gpu(layout: str, length: int) -> None:
     out, lse, plan = run(step.kwargs(), TritonBackend(dedup=True), device="cuda")
     assert plan.config.dedup
     check(step.kwargs(), out, lse, atol=gpu_atol(step.kwargs()), rtol=2**-6)
+
+
+def test_a_context_parallel_rank_does_not_get_the_dedup_kernel() -> None:
+    """A rank holding a share of each selection (dcp_size > 1) runs the per-token kernel where a
+    whole-selection step would take the dedup one (2 H200s, L = 4, B = 64: dedup 168 us, per
+    token 105). Through the planner and the one-shot path alike."""
+    from msa.problem import DecodeProblem
+
+    def problem(dcp: int) -> DecodeProblem:
+        return DecodeProblem(msa.MINIMAX_M3, 64, 4, "fp8_e4m3", torch.bfloat16, torch.bfloat16, "cuda", 0, 0,
+                             dcp_size=dcp)
+
+    assert choose_config(msa.MINIMAX_M3, 256, 132, layout=get_layout("fp8"), batch_size=64, query_len=4).dedup
+    assert not choose_config(msa.MINIMAX_M3, 256, 132, layout=get_layout("fp8"), batch_size=64, query_len=4,
+                             dcp_size=2).dedup
+    backend = TritonBackend()
+    assert backend.config_for(problem(1), torch.device("cpu")).dedup
+    assert not backend.config_for(problem(2), torch.device("cpu")).dedup
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype="fp8", device="cpu", dcp_size=2)
+    assert planner._problem((64, 4, 16, None)).dcp_size == 2
+    with pytest.raises(msa.MSAInputError, match=r"^dcp_size: expected the ranks each request's pages are spread over"):
+        msa.DecodePlanner(msa.MINIMAX_M3, device="cpu", dcp_size=0)

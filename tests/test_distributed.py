@@ -232,7 +232,8 @@ def test_gloo_ranks_equal_single_process(world_size: int, seed: int, tmp_path: P
 
 def test_the_planners_options_reach_the_ranks_planner(tmp_path: Path) -> None:
     """kv_form, graph_capture and vector_aligned steer the backend choice of each rank's own
-    planner, as they do for `msa.DecodePlanner` (a one-process gloo group)."""
+    planner, as they do for `msa.DecodePlanner`, and the group's size is its dcp_size (a
+    one-process gloo group)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -243,6 +244,18 @@ def test_the_planners_options_reach_the_ranks_planner(tmp_path: Path) -> None:
         assert (local.kv_form, local.graph_capture, local.vector_aligned) == ("separate", True, False)
         default = dcp.DistributedDecodePlanner(msa.MINIMAX_M3, device="cpu").local
         assert (default.kv_form, default.graph_capture, default.vector_aligned) == ("packed", False, True)
+        assert default.dcp_size == 1
+        # the group's size reaches the rank's kernel choice (a share of each selection: no dedup)
+        import msa.distributed.planner as dplanner
+        from msa.distributed.group import GroupInfo
+
+        original = dplanner.group_info
+        dplanner.group_info = lambda group: GroupInfo(group, 2, 0)  # type: ignore[assignment]
+        try:
+            two = dcp.DistributedDecodePlanner(msa.MINIMAX_M3, device="cpu").local
+        finally:
+            dplanner.group_info = original
+        assert two.dcp_size == 2 and two._problem((64, 4, 16, None)).dcp_size == 2
     finally:
         dist.destroy_process_group()
 

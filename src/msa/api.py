@@ -72,6 +72,7 @@ def sparse_decode(
     backend: str = ...,
     validate: bool = ...,
     query_start_loc: torch.Tensor | None = ...,
+    dcp_size: int = ...,
 ) -> torch.Tensor: ...
 
 
@@ -95,6 +96,7 @@ def sparse_decode(
     backend: str = ...,
     validate: bool = ...,
     query_start_loc: torch.Tensor | None = ...,
+    dcp_size: int = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -118,6 +120,7 @@ def sparse_decode(
     backend: str = ...,
     validate: bool = ...,
     query_start_loc: torch.Tensor | None = ...,
+    dcp_size: int = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -140,6 +143,7 @@ def sparse_decode(
     backend: str = "auto",
     validate: bool = False,
     query_start_loc: torch.Tensor | None = None,
+    dcp_size: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention decode over a paged KV cache with per-query-token page selection.
 
@@ -175,6 +179,9 @@ def sparse_decode(
         query_start_loc: int32 `[B+1]` for ragged steps: request `b` owns rows
             `[qsl[b], qsl[b+1])` of `q` (its own query length); `decode_query_len` is then the
             largest length. Rows past `qsl[B]` are padding (zeros, LSE -inf).
+        dcp_size: the ranks each request's pages are spread over when this call decodes one
+            rank's share under decode context parallelism (`msa.distributed` passes its group's
+            size); it steers the kernel choice (a share of each selection favours other kernels).
 
     Returns:
         `out`, or `(out, lse)` when `return_lse` (or `lse=`) is given.
@@ -197,13 +204,13 @@ def sparse_decode(
     local = _thread_local()
     signature = _call_signature(
         q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len, kv_cache_dtype, sm_scale, q_scale,
-        k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc,
+        k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc, dcp_size,
     )
     known = local.calls.get(signature) if signature is not None else None
     if known is None:
         problem, inputs, planner = _checked_call(
             q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len, kv_cache_dtype, sm_scale, q_scale,
-            k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc, signature,
+            k_scale, v_scale, out, lse, return_lse, backend, validate, query_start_loc, dcp_size, signature,
         )
     else:  # checked before, with the same signature: only what depends on pointers is new
         checked, planner = known
@@ -257,7 +264,7 @@ def _call_signature(
     q: object, kv_cache: object, topk_indices: object, block_table: object, seq_lens: object,
     decode_query_len: object, kv_cache_dtype: object, sm_scale: object, q_scale: object, k_scale: object,
     v_scale: object, out: object, lse: object, return_lse: object, backend: object, validate: object,
-    query_start_loc: object,
+    query_start_loc: object, dcp_size: object,
 ) -> tuple[Any, ...] | None:
     """The call's `call_signature`, with what else picks its planner (backend, environment,
     stream, registry); None when it must be checked in full."""
@@ -265,7 +272,7 @@ def _call_signature(
         return None
     return call_signature(
         (q, kv_cache, topk_indices, block_table, seq_lens, out, lse, query_start_loc),
-        (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len, kv_cache_dtype, backend,
+        (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len, kv_cache_dtype, backend, dcp_size,
          os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(), stream_capturing(q.device)),
     )
 
@@ -274,7 +281,7 @@ def _checked_call(
     q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     decode_query_len: int, kv_cache_dtype: str | None, sm_scale: Scale | None, q_scale: Scale, k_scale: Scale,
     v_scale: Scale, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool, backend: str,
-    validate: bool, query_start_loc: torch.Tensor | None, signature: tuple[Any, ...] | None,
+    validate: bool, query_start_loc: torch.Tensor | None, dcp_size: int, signature: tuple[Any, ...] | None,
 ) -> tuple[DecodeProblem, DecodeInputs, DecodePlanner]:
     """Every check of a call (and the deep ones when asked for); remembers it under `signature`."""
     check_flag("validate", validate)
@@ -283,7 +290,7 @@ def _checked_call(
     problem, inputs = check_decode_inputs(
         q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
         kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-        out=out, lse=lse, return_lse=return_lse, query_start_loc=query_start_loc,
+        out=out, lse=lse, return_lse=return_lse, query_start_loc=query_start_loc, dcp_size=dcp_size,
     )
     if validation_requested(validate):
         check_decode_data(problem, inputs)
@@ -306,13 +313,14 @@ def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device:
     key = (
         problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(q_index(device)),
         problem.q_dtype, problem.return_lse, registry, problem.kv_form, capturing, problem.vector_aligned,
+        problem.dcp_size,
     )
     planner = planners.get(key)
     if planner is None:
         planner = DecodePlanner(
             problem.geometry, kv_cache_dtype=layout, backend=backend, device=device,
             q_dtype=problem.q_dtype, with_lse=problem.return_lse, kv_form=problem.kv_form, graph_capture=capturing,
-            vector_aligned=problem.vector_aligned,
+            vector_aligned=problem.vector_aligned, dcp_size=problem.dcp_size,
         )
         planners[key] = planner
         while len(planners) > _MAX_PLANNERS:

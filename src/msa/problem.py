@@ -139,6 +139,9 @@ class DecodeProblem:
         vector_aligned: q's and out's rows start on 4-byte boundaries and the cache's pages and
             heads on 16-byte ones (`validation.vector_misalignment`), as kernels with vector loads
             need; a planner assumes so, as it assumes `kv_form` (`msa.sparse_decode` checks).
+        dcp_size: the ranks each request's pages are spread over (decode context parallelism;
+            1: all on this device). A rank then holds about 1/dcp_size of every selection, which
+            changes which kernel pays (the dedup kernel does not, measured at 2).
     """
 
     geometry: Geometry
@@ -157,6 +160,7 @@ class DecodeProblem:
     kv_form: str = attrs.field(default="packed", validator=attrs.validators.in_(CACHE_FORMS))
     graph_capture: bool = False
     vector_aligned: bool = True
+    dcp_size: int = attrs.field(default=1, validator=_positive)
 
     @property
     def layout(self) -> KVLayout:

@@ -315,6 +315,7 @@ def check_decode_inputs(
     lse: object = None,
     return_lse: bool = False,
     query_start_loc: object = None,
+    dcp_size: object = 1,
 ) -> tuple[DecodeProblem, DecodeInputs]:
     """Every check of docs/semantics.md §6 that needs no device data.
 
@@ -428,6 +429,7 @@ def check_decode_inputs(
         total_rows=rows if starts is not None else None,
         kv_form=cache_form(cache),
         vector_aligned=_vector_aligned(q_t, out_t, layout, cache),
+        dcp_size=_dcp_size(dcp_size),
     )
     inputs = DecodeInputs(
         problem=problem,
@@ -443,6 +445,12 @@ def check_decode_inputs(
         **scales,
     )
     return problem, inputs
+
+
+def _dcp_size(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise MSAInputError("dcp_size", "the ranks each request's pages are spread over (an int >= 1)", repr(value))
+    return value
 
 
 def _first_row(mask: torch.Tensor) -> tuple[int, ...] | None:

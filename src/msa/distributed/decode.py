@@ -281,7 +281,7 @@ def _local_step(
         problem, inputs = check_decode_inputs(
             q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
             kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-            out=exchange.local_out, lse=exchange.local_lse, query_start_loc=query_start_loc,
+            out=exchange.local_out, lse=exchange.local_lse, query_start_loc=query_start_loc, dcp_size=info.world_size,
         )
         usage = shard_usage(problem, inputs, decode_query_len=decode_query_len, kv_cache_dtype=kv_cache_dtype)
         run_checked(problem, inputs, backend, exchange.local_out, exchange.local_lse)
@@ -290,5 +290,6 @@ def _local_step(
             q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
             kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
             out=exchange.local_out, lse=exchange.local_lse, backend=backend, query_start_loc=query_start_loc,
+            dcp_size=info.world_size,
         )
     return exchange, out_t, lse_t, usage

@@ -116,12 +116,12 @@ class DistributedDecodePlanner:
         self.method = check_method(
             method if method is not None else ("reduce_scatter" if scatter_heads else "all_gather"), scatter_heads
         )
-        self.local = DecodePlanner(
+        self.info: GroupInfo = group_info(group)
+        self.local = DecodePlanner(  # a rank holds ~1/W of each selection: the kernel choice knows it
             geometry, kv_cache_dtype=kv_cache_dtype, backend=backend, device=device, q_dtype=q_dtype,
             with_lse=True, max_plans=max_plans, platform=platform, policy=policy, kv_form=kv_form,
-            graph_capture=graph_capture, vector_aligned=vector_aligned,
+            graph_capture=graph_capture, vector_aligned=vector_aligned, dcp_size=self.info.world_size,
         )
-        self.info: GroupInfo = group_info(group)
         w = self.info.world_size
         if (scatter_heads or self.method == "all_to_all") and geometry.num_q_heads % w:
             raise MSAInputError(
@@ -261,6 +261,7 @@ class DistributedDecodePlanner:
                 q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, decode_query_len=length,
                 kv_cache_dtype=self.local.kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale,
                 v_scale=v_scale, out=exchange.local_out, lse=exchange.local_lse, query_start_loc=tables.query_start_loc,
+                dcp_size=self.info.world_size,
             )
             if problem.geometry != self.geometry or problem.q_dtype != self.local.q_dtype:
                 raise MSAInputError(

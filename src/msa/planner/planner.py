@@ -49,6 +49,9 @@ class DecodePlanner:
         vector_aligned: the runs' q/out rows start on 4-byte boundaries and their caches' pages
             and heads on 16-byte ones (`msa.validation.vector_misalignment`; caches allocated by
             a layout are). False keeps backends that load them as vectors from being chosen.
+        dcp_size: the ranks each request's pages are spread over, when this planner decodes one
+            rank's share under decode context parallelism (`msa.distributed` passes its group's
+            size): a share of each selection changes which kernel pays.
 
     Raises:
         MSAInputError: a bad argument, or a CUDA device on a machine without one.
@@ -69,6 +72,7 @@ class DecodePlanner:
         kv_form: str = "packed",
         graph_capture: bool = False,
         vector_aligned: bool = True,
+        dcp_size: int = 1,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise MSAInputError("geometry", "an msa.Geometry", type(geometry).__name__)
@@ -91,6 +95,10 @@ class DecodePlanner:
         self.kv_form = kv_form
         self.graph_capture = graph_capture
         self.vector_aligned = vector_aligned
+        if not isinstance(dcp_size, int) or isinstance(dcp_size, bool) or dcp_size < 1:
+            raise MSAInputError("dcp_size", "the ranks each request's pages are spread over (an int >= 1)",
+                                repr(dcp_size))
+        self.dcp_size = dcp_size
         self.platform = platform if platform is not None else detect(self.device)
         self.policy = policy
         self.kv_layout = self.layout.resolve(output_dtype(q_dtype)).name
@@ -128,6 +136,7 @@ class DecodePlanner:
             kv_form=self.kv_form,
             graph_capture=self.graph_capture,
             vector_aligned=self.vector_aligned,
+            dcp_size=self.dcp_size,
         )
 
     def plan(

@@ -110,7 +110,7 @@ class CuteBackend(Backend[CutePlan]):
                            "verified (it may cost ~150-300 us a call); declare graph_capture=True or request it "
                            "by name")
         dedup = uses_dedup(g, problem.layout, problem.query_len, problem.batch_size, platform.sm_count,
-                           dedup_wanted())  # the Triton backend's choice for the step
+                           dedup_wanted(), problem.dcp_size)  # the Triton backend's choice for the step
         if not requested and dedup:
             reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
                            "faster than this per-token kernel at 80% page overlap)")

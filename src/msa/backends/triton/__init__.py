@@ -78,6 +78,7 @@ class TritonBackend(Backend[TritonPlan]):
             layout=problem.layout,
             batch_size=problem.batch_size,
             query_len=problem.query_len,
+            dcp_size=problem.dcp_size,
             **overrides,
         )
 

@@ -100,6 +100,7 @@ def choose_config(
     swap_ab: bool = False,
     in_kernel_merge: bool | None = None,
     merge_fence: bool = True,
+    dcp_size: int = 1,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -117,7 +118,7 @@ def choose_config(
     group_chunks = -(-g.group_size // block_g)
     quantized = layout.quantized
     tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
-    dedup = uses_dedup(g, layout, query_len, batch_size or 0, sm_count, dedup)
+    dedup = uses_dedup(g, layout, query_len, batch_size or 0, sm_count, dedup, dcp_size)
     token_chunks = -(-query_len // tokens) if dedup else 1
     batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
     if dedup:
@@ -187,10 +188,10 @@ def dedup_wanted() -> bool | None:
 
 
 def uses_dedup(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int,
-               dedup: bool | None = None) -> bool:
+               dedup: bool | None = None, dcp_size: int = 1) -> bool:
     """Whether a step runs the dedup program: `dedup` when given (forced by the caller or
     `MSA_TRITON_DEDUP`), else the shape policy (`dedup_pays`); never where it is unsupported."""
-    wanted = dedup_pays(geometry, layout, query_len, batch_size, sm_count) if dedup is None else dedup
+    wanted = dedup_pays(geometry, layout, query_len, batch_size, sm_count, dcp_size) if dedup is None else dedup
     return wanted and dedup_supported(geometry, layout, query_len)
 
 
@@ -200,7 +201,8 @@ def dedup_supported(geometry: Geometry, layout: KVLayout, query_len: int) -> boo
     return query_len >= 2 and geometry.group_size <= 64 and geometry.topk <= 64
 
 
-def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int) -> bool:
+def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size: int, sm_count: int,
+               dcp_size: int = 1) -> bool:
     """The policy, from shapes only (the overlap between tokens is not known without reading the
     indices): dedup for L = 3 or 4 once (request, KV head) programs fill the SMs.
 
@@ -209,9 +211,14 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
     1.47x for bf16, 1.31x and 1.33x for NVFP4 (with the dedup tiles and stages of `choose_config`),
     but 0.62x / 0.82x at B=16 (too few programs); at L = 2 0.79x..1.09x; at L = 8 0.26x..1.18x.
     Without overlap at L = 4 it is 0.75x (fp8) / 0.88x-0.94x (bf16) / 0.76x (NVFP4) at B = 64-128:
-    the price of choosing it without seeing the indices."""
+    the price of choosing it without seeing the indices.
+
+    Not for a rank of decode context parallelism (`dcp_size` > 1), which holds a share of each
+    selection: on 2 H200s, each holding half of every request's pages, at L = 4 and B = 64 the
+    dedup kernel took 168 us against the per-token kernel's 105 (benchmarks/RESULTS.md)."""
     return (
-        dedup_supported(geometry, layout, query_len)
+        dcp_size == 1
+        and dedup_supported(geometry, layout, query_len)
         and 3 <= query_len <= 4
         and batch_size * geometry.num_kv_heads >= sm_count
     )
