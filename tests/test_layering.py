@@ -10,14 +10,14 @@ SRC = Path(__file__).parents[1] / "src" / "msa"
 # lower number = lower layer; a module may import its own layer or below
 LAYERS = {
     "errors": 0,
-    "scales": 1, "platform": 1,
+    "scales": 1, "platform": 1, "launcher": 1,
     "layouts": 2, "semantics": 2, "problem": 2,
     "validation": 3,
     "planning": 4,
     "backends": 5,
     "hooks": 6,
     "builtin": 7,
-    "registry": 8,
+    "registry": 8, "plugins": 8,
     "policy": 9,
     "workload": 10, "oracle": 10, "display": 10,
     "planner": 11, "api": 11,

@@ -7,9 +7,12 @@ a named backend (or `MSA_BACKEND=name` in the environment) must qualify or the c
 its reasons — never a silent fallback.
 
 A plugin's fault never breaks selection: a backend whose factory failed, or whose
-`not_supported_reasons` raised, gets a "failed ..." verdict and is skipped by `auto`; requested by
-name, it raises `MSAPluginError`. While a plugin named in `MSA_PLUGINS` is broken, `auto`
-refuses to run (`Selection.blocked`) rather than silently run without it.
+`not_supported_reasons` (with the `machine_reasons` and capability checks it calls) raised —
+anything, `SystemExit` included, but `KeyboardInterrupt` — or returned something other than a
+list of str, gets a "failed ..." verdict and is skipped by `auto`; a plugin's backend is then
+marked broken in the registry (`BackendRegistry.mark_broken`). Requested by name, it raises
+`MSAPluginError`. While a plugin named in `MSA_PLUGINS` is broken, `auto` refuses to run
+(`Selection.blocked`) rather than silently run without it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from msa.backends.base import AnyBackend
 from msa.errors import MSAPluginError, MSAUnsupportedError
 from msa.hooks import PluginFailure
 from msa.platform import Platform
+from msa.plugins.faults import PluginFault, guarded
+from msa.plugins.records import check_reasons
 from msa.problem import DecodeProblem
 from msa.registry import BackendRegistry, get_registry
 
@@ -38,7 +43,8 @@ class Verdict:
 
     Attributes:
         failure: set when the backend failed (its factory, or its `not_supported_reasons`
-            raised); `reasons` then holds one "failed ..." line.
+            raised or returned something other than a list of str); `reasons` then holds one
+            "failed ..." line.
     """
 
     name: str
@@ -126,7 +132,10 @@ class SelectionPolicy:
         """Backend `name`'s verdict on `problem` (None: the machine alone) and `platform`.
 
         Never raises for the backend's fault: a factory that failed, or a `not_supported_reasons`
-        that raised, gives a verdict with `failure` set and one "failed ..." reason.
+        that raised (anything but `KeyboardInterrupt`) or returned something other than a list
+        (or other iterable) of str, gives a verdict with `failure` set and one "failed ..."
+        reason. A plugin's backend that fails so is marked broken in the registry; a built-in's
+        failure is reported on this verdict only.
         """
         record = self.registry.record(name)
         try:
@@ -135,15 +144,22 @@ class SelectionPolicy:
             if record.name not in self.registry.broken:
                 raise
             failure = self.registry.broken[record.name]
-            return Verdict(record.name, (f"failed to load: {failure.error}",), record.priority, record.source, failure)
+            reason = self.registry.broken_reason(record.name)
+            return Verdict(record.name, (reason,), record.priority, record.source, failure)
         try:
-            reasons = backend.not_supported_reasons(problem, platform, requested=requested)
-        except Exception as exc:  # a plugin's bug must not break selection
-            error = f"its not_supported_reasons raised {type(exc).__name__}: {exc}"
+            returned = guarded(backend.not_supported_reasons, problem, platform, requested=requested)
+            reasons = check_reasons(returned, "not_supported_reasons")
+            return Verdict(record.name, reasons, record.priority, record.source)
+        except PluginFault as fault:  # a plugin's bug must not break selection
+            error, cause = f"its not_supported_reasons raised {fault.error}", fault.cause
+        except TypeError as exc:  # check_reasons: not a list of str
+            error, cause = str(exc), exc
+        if self.registry.from_plugin(record.name):
+            failure = self.registry.mark_broken(record.name, error, cause)
+        else:
             log.warning("msa backend %r (%s) skipped: %s", record.name, record.source, error)
-            failure = PluginFailure(record.name, record.source, error, exc, self.registry.required(record.name))
-            return Verdict(record.name, (f"failed: {error}",), record.priority, record.source, failure)
-        return Verdict(record.name, tuple(reasons), record.priority, record.source)
+            failure = PluginFailure(record.name, record.source, error, cause, self.registry.required(record.name))
+        return Verdict(record.name, (f"failed: {error}",), record.priority, record.source, failure)
 
     def evaluate(
         self, problem: DecodeProblem | None, platform: Platform, backend: str = "auto"
