@@ -1,14 +1,24 @@
 # Two commands for a fresh machine:
 #   make demo   set up .venv and run `msa demo`
 #   make test   set up .venv, run the whole test suite and `mypy --strict src`
-# and one for the external kernel libraries' contracts:
+# and one for the external libraries' contracts:
 #   make conformance   msa's adapters against the real vLLM 0.33.0 fmha_sm100 and FlashInfer
-#                      0.7.2.post1 Python code, on the CPU (downloads the pinned wheels once)
+#                      0.7.2.post1 Python code, msa's vLLM plugin through vLLM 0.33.0's own plugin
+#                      loader and MiniMax-M3 backends, the SGLang drop-in under SGLang 0.5.23's
+#                      decode layer, on the CPU (downloads the pinned wheels once)
 PYTHON ?= python3
 VENV   ?= .venv
-# The CPU build of torch (CI and the development machines have no GPU). On a GPU machine with
-# its own torch, run e.g. `make test TORCH=torch==2.11.0` or use an existing environment.
-TORCH  ?= torch==2.13.0
+# The CPU build of torch (CI and the development machines have no GPU), from PyTorch's CPU-only
+# wheel index: the `+cpu` pin matches only that index's wheel, so pip never takes PyPI's CUDA
+# build and its ~28 nvidia-*/CUDA packages (several GB). That step runs with `--retries 0`: where
+# the index cannot be reached (a machine with a local wheel mirror, like CI) pip skips it at once
+# and silently, instead of ~8 s of retries with backoff for torch and for each of its 9
+# dependencies, and takes the mirror's wheel.
+# On a GPU machine clear the index too, or `==2.11.0` matches the CPU index's 2.11.0+cpu:
+# `make test TORCH=torch==2.11.0 TORCH_INDEX=` (PyPI's CUDA build; or TORCH_INDEX=<a CUDA index
+# of PyTorch's>), or use an existing environment (`pip install -e .`).
+TORCH       ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.msa-installed
 # conformance: the pinned wheels are cached here (vLLM's is ~336 MB) and unpacked beside
@@ -21,7 +31,7 @@ CONF_STAMP   = $(CONF_SITE)/.conformance-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --retries 0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

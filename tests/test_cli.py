@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from plugin_site import install_plugins
 
+import msa
 from msa.cli import main
+from msa.registry import reset_registry
 
 
 def test_demo_runs_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,7 +42,7 @@ def test_demo_says_when_it_could_not_cross_check(capsys: pytest.CaptureFixture[s
     cannot run it says so (and still checks the reference against the dense oracle)."""
     import os
 
-    import msa.cli.demo as demo
+    import msa.api
     from msa.errors import MSAUnsupportedError
 
     args = ["demo", "--layout", "bfloat16", "--batch", "1", "--context", "300", "--seed", "1"]
@@ -42,17 +50,31 @@ def test_demo_says_when_it_could_not_cross_check(capsys: pytest.CaptureFixture[s
         assert main(args) == 0
         assert "triton (interpreter" in capsys.readouterr().out
 
-    real = demo.select_backend
+    real = msa.api.select_backend  # the demo imports it when it runs
 
     def no_triton(problem: object, name: str = "auto") -> object:
         if name == "triton":
             raise MSAUnsupportedError("backend 'triton' cannot run this step: pretend")
         return real(problem, name)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(demo, "select_backend", no_triton)
+    monkeypatch.setattr(msa.api, "select_backend", no_triton)
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "nothing (Triton cannot run here)" in out and "OK: outputs within" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "nope"], "backend: expected 'auto' or one of"),
+    (["--backend", "cutlass_sm100", "--device", "cpu"], "backend 'cutlass_sm100' cannot run this step"),
+])
+def test_demo_checks_its_arguments_before_printing(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A backend the demo cannot use is one error line and exit 2, with no header and no
+    progress line before it."""
+    assert main(["demo", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert len(err.splitlines()) == 1 and err.startswith("msa demo: error: ") and message in err, err
 
 
 def test_layouts_and_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,3 +147,83 @@ def test_backends_and_explain_agree(
         assert (runs_here in ("yes", "by name")) == (named.split()[1] == "chosen"), (name, runs_here, named)
         if runs_here != "yes":
             assert auto.split(" rejected ", 1)[1].strip() == notes, (name, notes, auto)
+
+
+def test_backends_shows_each_backends_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """The version column: msa's for a built-in that needs no package, the declared package's
+    (triton, nvidia-cutlass-dsl) for those that run on one, "-" only where nothing is installed."""
+    assert main(["backends", "--cpu"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["reference"][3] == f"msa {msa.__version__}"
+    assert rows["triton"][3] == f"triton {importlib.metadata.version('triton')}"
+    try:
+        dsl = f"nvidia-cutlass-dsl {importlib.metadata.version('nvidia-cutlass-dsl')}"
+    except importlib.metadata.PackageNotFoundError:
+        dsl = "-"
+    assert rows["cute"][3] == dsl
+
+
+#: Plugins for the version column: one declaring a library version, one needing triton, one plain.
+VERSION_PLUGINS = {
+    name: textwrap.dedent(f'''
+        import msa.registry
+        from msa.backends.base import Backend
+        from msa.backends.capabilities import Capabilities
+
+        class Mine(Backend):
+            name = "{name}"
+            capabilities = Capabilities(device_types=frozenset({{"cpu"}}), packages={packages!r})
+            def version(self):
+                return {version!r}
+            def plan(self, problem, inputs):
+                return problem
+            def run(self, plan, inputs, out, lse):
+                raise NotImplementedError
+
+        @msa.registry.hookimpl
+        def msa_backends():
+            return [msa.registry.BackendRecord(name="{name}", factory=Mine, priority=1)]
+    ''')
+    for name, packages, version in (
+        ("verlibplug", (), "mylib 2.3"), ("vertritonplug", ("triton",), ""), ("verplainplug", (), ""),
+    )
+}
+
+
+@pytest.fixture
+def version_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    install_plugins(tmp_path, VERSION_PLUGINS, VERSION_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("MSA_PLUGINS", raising=False)
+    monkeypatch.delenv("MSA_DISABLE_PLUGINS", raising=False)
+    importlib.invalidate_caches()
+    reset_registry(None)
+    yield tmp_path
+    for name in VERSION_PLUGINS:
+        sys.modules.pop(name, None)
+    reset_registry(None)
+
+
+def test_backends_shows_a_plugins_version(version_plugins: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plugin's backend: the library it names, else its declared packages', else the version of
+    the distribution that installed the plugin."""
+    assert main(["backends", "--cpu"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["verlibplug"][3] == "mylib 2.3"
+    assert rows["vertritonplug"][3] == f"triton {importlib.metadata.version('triton')}"
+    assert rows["verplainplug"][3] == "verplainplug 1.0"
+
+
+def test_readme_lists_every_demo_flag() -> None:
+    """The README's "Flags:" paragraph for `msa demo` names exactly the demo's options."""
+    import argparse
+
+    from msa.cli import build_parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    paragraph = readme.split("\nFlags: ", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r"`(--[a-z-]+)", paragraph))
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {a.option_strings[-1] for a in sub.choices["demo"]._actions if a.option_strings} - {"--help"}
+    assert listed == options, (sorted(options - listed), sorted(listed - options))

@@ -20,6 +20,8 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["explain", "--heads", "abc"], "explain", ("argument --heads", "Hq/Hkv", "'abc'")),
     (["explain", "--heads", "64/0"], "explain", ("argument --heads", "'64/0'")),
     (["explain", "--heads", "6/4"], "explain", ("argument --heads", "multiple of Hkv", "'6/4'")),
+    (["explain", "--heads", "64"], "explain", ("argument --heads", "Hq/Hkv", "'64'", "ambiguous", "64/1")),
+    (["explain", "--heads", "64/"], "explain", ("argument --heads", "Hq/Hkv", "'64/'")),
     (["explain", "--capability", "abc"], "explain", ("argument --capability", "10.0", "'abc'")),
     (["explain", "--batch", "0"], "explain", ("argument --batch", "positive integer", "'0'")),
     (["explain", "--head-dim", "-5"], "explain", ("argument --head-dim", "positive integer", "'-5'")),
@@ -28,6 +30,7 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["demo", "--batch", "0"], "demo", ("argument --batch", "positive integer", "'0'")),
     (["demo", "--query-len", "0"], "demo", ("argument --query-len", "positive integer", "'0'")),
     (["demo", "--device", "bogus"], "demo", ("argument --device", "auto, cpu, cuda", "'bogus'")),
+    (["demo", "--backend", "nope"], "demo", ("backend: expected 'auto' or one of", "'nope'")),
     (["layouts", "--head-dim", "-32"], "layouts", ("argument --head-dim", "positive integer", "'-32'")),
     (["layouts", "--head-dim", "0"], "layouts", ("argument --head-dim", "positive integer", "'0'")),
     (["layouts", "--head-dim", "12"], "layouts", ("argument --head-dim", "multiple of 32", "12")),
@@ -55,6 +58,7 @@ def test_bad_flag_is_one_line_and_exit_2(
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "usage:" not in out + err
+    assert out == "", "nothing is printed before the error"
     check_one_line(err, command, fragments)
 
 

@@ -2,6 +2,9 @@
 
 A bad flag, or any msa error (`MSAError`) a command raises, ends in ONE line on stderr,
 `msa <command>: error: <message>`, and exit code 2 (see `msa.cli.args`); help exits 0.
+
+Building the parser imports neither torch, triton nor the backends: each command imports what it
+needs when it runs, so `msa --help` and a bad flag answer at once (tests/test_cli_imports.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Every bad value is caught at parse time by a type function below, which raises
 argument (`argument --heads: ...`). `Parser.error` turns that (and every other argparse error)
 into `UsageError`, which `msa.cli.main` prints as ONE line, `msa <command>: error: <message>`,
 exiting with code 2 — no usage dump, no traceback.
+
+Building the parsers imports neither torch nor the backends (`msa --help` stays fast): the type
+functions that need them import them when they run, and the values a parser shows come from
+`msa.cli.defaults`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,9 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
 import attrs
-import torch
 
+from msa.cli.defaults import LAYOUT_NAMES
 from msa.errors import MSAError, MSAInputError
-from msa.layouts import LAYOUT_NAMES, get_layout
 
 __all__ = [
     "Parser",
@@ -103,11 +106,20 @@ def names(text: str) -> tuple[str, ...]:
 
 
 def heads(text: str) -> tuple[int, int]:
-    """`Hq/Hkv` (or `Hq`, one KV head), both positive, whole GQA groups, e.g. 64/4."""
-    match = re.fullmatch(r"\s*(\d+)\s*(?:/\s*(\d+)\s*)?", text)
-    if match is None or int(match[1]) < 1 or (match[2] is not None and int(match[2]) < 1):
+    """`Hq/Hkv`, both positive, whole GQA groups, e.g. 64/4. Both numbers are required: a lone
+    `64` could mean 64/1 or 64 query heads over the default KV heads, so it is an error."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None:
+        bare = re.fullmatch(r"\s*(\d+)\s*", text)
+        if bare is not None:
+            raise argparse.ArgumentTypeError(
+                f"expected Hq/Hkv, query heads and KV heads such as 64/4, got {text!r}: a lone number is "
+                f"ambiguous (write {int(bare[1])}/1 for one KV head)"
+            )
         raise argparse.ArgumentTypeError(f"expected Hq/Hkv, two positive integers such as 64/4, got {text!r}")
-    num_q_heads, num_kv_heads = int(match[1]), int(match[2] or 1)
+    if int(match[1]) < 1 or int(match[2]) < 1:
+        raise argparse.ArgumentTypeError(f"expected Hq/Hkv, two positive integers such as 64/4, got {text!r}")
+    num_q_heads, num_kv_heads = int(match[1]), int(match[2])
     if num_q_heads % num_kv_heads:
         raise argparse.ArgumentTypeError(f"expected Hq/Hkv with Hq a multiple of Hkv, got {text!r}")
     return num_q_heads, num_kv_heads
@@ -127,6 +139,8 @@ def device(text: str) -> str:
         return text
     if not re.fullmatch(r"cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"expected one of auto, cpu, cuda, cuda:N, got {text!r}")
+    import torch
+
     if not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"expected auto or cpu: torch finds no CUDA device here, got {text!r}")
     index = torch.device(text).index
@@ -140,6 +154,8 @@ def device(text: str) -> str:
 def layout_head_dim(text: str) -> int:
     """A head dim every layout can store (positive; NVFP4 needs a multiple of 32)."""
     value = positive_int(text)
+    from msa.layouts import get_layout
+
     for name in LAYOUT_NAMES:  # each layout checks its own limits (allocating on no device)
         try:
             get_layout(name).allocate(1, 1, 16, value, device="meta")

@@ -3,27 +3,39 @@
 Both judge through the same `SelectionPolicy`, on the same platform (this machine, or a pretend
 one: `--cpu`, `--capability 10.0 --packages ...`): `msa backends` shows each backend's
 machine-level refusals (`Backend.platform_reasons`), `msa explain` those plus the step's.
+Both list every plugin that failed, with its error: a plugin's fault never ends either command
+in a traceback.
+
+torch, the registry and the backends are imported by the commands, not by their parsers
+(`msa --help` stays fast).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from msa.cli.args import Subparsers, capability, heads, names, positive_int
-from msa.display import format_table
-from msa.layouts import LAYOUT_NAMES, get_layout
-from msa.platform import OPTIONAL_PACKAGES, Platform, detect
-from msa.policy import SelectionPolicy, Verdict
-from msa.problem import CACHE_FORMS, MINIMAX_M3, DecodeProblem, Geometry
-from msa.registry import BackendRegistry, get_registry
-from msa.validation import output_dtype
+from msa.cli.defaults import (
+    CACHE_FORMS,
+    LAYOUT_NAMES,
+    M3_HEAD_DIM,
+    M3_HEADS,
+    M3_PAGE_SIZE,
+    M3_TOPK,
+    OPTIONAL_PACKAGES,
+    Q_DTYPES,
+)
 
-__all__ = ["add_parsers"]
+if TYPE_CHECKING:
+    from msa.hooks import BackendRecord
+    from msa.platform import Platform
+    from msa.policy import SelectionPolicy, Verdict
+    from msa.registry import BackendRegistry
 
-_Q_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+__all__ = ["add_parsers", "run_backends", "run_explain"]
 
 
 def _add_platform_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,17 +72,23 @@ def add_parsers(subparsers: Subparsers) -> None:
         description="Describe a decode step (defaults: MiniMax-M3 TP1, fp8 cache, B=64, L=1) "
         "and a platform (default: this machine) and see the selection.",
     )
-    m3 = MINIMAX_M3
     explain.add_argument(
-        "--heads", type=heads, default=(m3.num_q_heads, m3.num_kv_heads), help="Hq/Hkv, e.g. 64/4"
+        "--heads", type=heads, default=M3_HEADS, metavar="HQ/HKV",
+        help="query heads / KV heads, both required, e.g. 64/4 (default: 64/4)",
     )
-    explain.add_argument("--head-dim", type=positive_int, default=m3.head_dim)
-    explain.add_argument("--page-size", type=positive_int, default=m3.page_size)
-    explain.add_argument("--topk", type=positive_int, default=m3.topk)
-    explain.add_argument("--kv-dtype", choices=LAYOUT_NAMES, default="fp8")
-    explain.add_argument("--q-dtype", choices=tuple(_Q_DTYPES), default="bf16")
-    explain.add_argument("--batch", type=positive_int, default=64)
-    explain.add_argument("--query-len", type=positive_int, default=1)
+    explain.add_argument("--head-dim", type=positive_int, default=M3_HEAD_DIM, help="D (default %(default)s)")
+    explain.add_argument(
+        "--page-size", type=positive_int, default=M3_PAGE_SIZE, help="tokens per KV page P (default %(default)s)"
+    )
+    explain.add_argument(
+        "--topk", type=positive_int, default=M3_TOPK, help="pages selected per query token K (default %(default)s)"
+    )
+    explain.add_argument("--kv-dtype", choices=LAYOUT_NAMES, default="fp8", help="cache layout (default %(default)s)")
+    explain.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="query dtype (default %(default)s)")
+    explain.add_argument("--batch", type=positive_int, default=64, help="decode requests B (default %(default)s)")
+    explain.add_argument(
+        "--query-len", type=positive_int, default=1, help="query tokens per request L (default %(default)s)"
+    )
     explain.add_argument("--lse", action="store_true", help="the caller wants the LSE")
     explain.add_argument(
         "--kv-form", choices=CACHE_FORMS, default="packed",
@@ -80,13 +98,15 @@ def add_parsers(subparsers: Subparsers) -> None:
     explain.add_argument(
         "--graph-capture", action="store_true", help="the caller will capture the step in a CUDA graph"
     )
-    explain.add_argument("--backend", default="auto", help="a backend name to request")
+    explain.add_argument("--backend", default="auto", help="a backend name to request (default: auto)")
     _add_platform_arguments(explain)
     explain.set_defaults(func=run_explain)
 
 
 def _platform(args: argparse.Namespace) -> Platform:
     """This machine, or the pretend one the flags describe."""
+    from msa.platform import Platform, detect
+
     packages: tuple[str, ...] = OPTIONAL_PACKAGES if args.packages is None else args.packages
     if args.cpu:
         interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
@@ -105,16 +125,75 @@ def _runs_here(policy: SelectionPolicy, verdict: Verdict, platform: Platform) ->
     return "by name" if policy.judge(verdict.name, None, platform, requested=True).qualified else "no"
 
 
-def _version(registry: BackendRegistry, verdict: Verdict) -> str:
+#: The distributions that install each optional package a backend may declare
+#: (`Capabilities.packages`), first first.
+_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "triton": ("triton",),
+    "cutlass_dsl": ("nvidia-cutlass-dsl",),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+    "fmha_sm100": ("vllm", "fmha_sm100", "fmha-sm100"),
+}
+
+
+def _distribution_version(distributions: tuple[str, ...]) -> str | None:
+    """`name version` of the first installed of `distributions`, or None."""
+    for distribution in distributions:
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _version(registry: BackendRegistry, verdict: Verdict, record: BackendRecord) -> str:
+    """What the backend runs on: the library its `version()` names; else the packages its
+    capabilities declare (their installed distributions' versions); else the distribution that
+    registered it, msa itself for the built-ins. "-" for a broken backend or nothing installed."""
+    from msa.plugins.faults import PluginFault, guarded
+
     if verdict.failure is not None:
         return "-"
     try:
-        return registry.get(verdict.name).version() or "-"
-    except Exception as exc:  # a plugin's bug must not break the listing
-        return f"? ({type(exc).__name__})"
+        backend = registry.get(verdict.name)
+        version = guarded(backend.version)
+    except PluginFault as fault:  # a plugin's bug must not break the listing
+        return f"? ({type(fault.cause).__name__})"
+    if not isinstance(version, str):
+        return f"? ({type(version).__name__})"
+    if version:
+        return version
+    try:
+        packages: object = guarded(lambda: backend.capabilities.packages)
+    except PluginFault:  # the registry checked the record, not every attribute of a plugin's backend
+        packages = ()
+    if isinstance(packages, tuple) and packages:
+        found = [_distribution_version(_DISTRIBUTIONS.get(str(p), (str(p),))) for p in packages]
+        return ", ".join(v for v in found if v is not None) or "-"
+    from msa.registry import BUILTIN_SOURCE
+
+    if record.source == BUILTIN_SOURCE:
+        from msa import __version__
+
+        return f"msa {__version__}"
+    # a plugin's source reads "<distribution> <version> (entry point <name> = <value>)"
+    where, entry_point, _ = record.source.partition(" (entry point ")
+    return where if entry_point and where != "unknown distribution" else "-"
+
+
+def _failure_lines(registry: BackendRegistry) -> list[str]:
+    """Every plugin that failed to load, as `Selection.explain` lists a broken backend."""
+    return [
+        f"  {f.name:<16} {'broken':<10} failed to load: {f.error}"
+        + (" (named in MSA_PLUGINS)" if f.required else "")
+        for f in registry.failures.values()
+    ]
 
 
 def run_backends(args: argparse.Namespace) -> int:
+    from msa.display import format_table
+    from msa.policy import SelectionPolicy
+    from msa.registry import get_registry
+
     registry = get_registry()
     platform = _platform(args)
     policy = SelectionPolicy(registry, environ={})  # every backend as `auto` sees it
@@ -128,7 +207,7 @@ def run_backends(args: argparse.Namespace) -> int:
                 record.name + (f" ({', '.join(record.aliases)})" if record.aliases else ""),
                 record.priority,
                 record.source,
-                _version(registry, verdict),
+                _version(registry, verdict, record),
                 _runs_here(policy, verdict, platform),
                 ("; ".join(verdict.reasons) or record.description) + required,
             ]
@@ -145,9 +224,16 @@ def run_backends(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    import torch
+
+    from msa.layouts import get_layout
+    from msa.policy import SelectionPolicy
+    from msa.problem import DecodeProblem, Geometry
+    from msa.validation import output_dtype
+
     num_q_heads, num_kv_heads = args.heads
     geometry = Geometry(num_q_heads, num_kv_heads, args.head_dim, args.page_size, args.topk)
-    q_dtype = _Q_DTYPES[args.q_dtype]
+    q_dtype: torch.dtype = getattr(torch, Q_DTYPES[args.q_dtype])
     out_dtype = output_dtype(q_dtype)
     layout = get_layout(args.kv_dtype).resolve(out_dtype)
     platform = _platform(args)
@@ -165,7 +251,8 @@ def run_explain(args: argparse.Namespace) -> int:
         kv_form=args.kv_form,
         graph_capture=args.graph_capture,
     )
-    selection = SelectionPolicy().evaluate(problem, platform, args.backend)
+    policy = SelectionPolicy()
+    selection = policy.evaluate(problem, platform, args.backend)
     print(
         f"step: {geometry.describe()}, {problem.kv_layout} cache, q {args.q_dtype}, "
         f"B={args.batch}, L={args.query_len}{', LSE' if args.lse else ''}, K/V {args.kv_form}"
@@ -173,4 +260,6 @@ def run_explain(args: argparse.Namespace) -> int:
     )
     print(f"platform: {platform.describe()}")
     print(selection.explain())
+    for line in _failure_lines(policy.registry):
+        print(line)
     return 0 if selection.chosen else 1

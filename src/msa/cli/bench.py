@@ -1,4 +1,5 @@
-"""`msa bench`: the benchmark sweep on the current GPU (see msa.bench)."""
+"""`msa bench`: the benchmark sweep on the current GPU (see msa.bench); torch and msa.bench are
+imported by the command, not by its parser."""
 
 from __future__ import annotations
 
@@ -6,20 +7,22 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from msa.cli.args import Subparsers, bench_file, floats, names, positive_int, positive_ints
 from msa.errors import MSAInputError
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench", help="time the backends on this GPU (L2 flushed, eager and graph replay)")
-    p.add_argument("--layouts", type=names, default=("bfloat16", "fp8_e4m3", "nvfp4"))
-    p.add_argument("--batches", type=positive_ints, default=(1, 16, 64, 128, 256))
-    p.add_argument("--query-lens", type=positive_ints, default=(1,))
-    p.add_argument("--same-tokens", action="store_true", help="L > 1 runs B // L requests")
+    p.add_argument("--layouts", type=names, default=("bfloat16", "fp8_e4m3", "nvfp4"),
+                   help="KV-cache layouts to time (comma list; default: bfloat16,fp8_e4m3,nvfp4)")
+    p.add_argument("--batches", type=positive_ints, default=(1, 16, 64, 128, 256),
+                   help="batch sizes B (comma list; default: 1,16,64,128,256)")
+    p.add_argument("--query-lens", type=positive_ints, default=(1,),
+                   help="query tokens per request L (comma list; default: 1)")
+    p.add_argument("--same-tokens", action="store_true",
+                   help="for L > 1 run B // L requests: as many query tokens as L = 1 at batch B")
     p.add_argument("--overlap", type=floats, default=(None,),
                    help="page overlap between consecutive tokens of a request, e.g. 0,0.8 (default: independent)")
     p.add_argument("--strategies", type=names, default=("auto",),
@@ -30,19 +33,25 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="engine drop-ins to time as well: sglang-dropin (comma list)")
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
-    p.add_argument("--backends", type=names, default=("triton",))
-    p.add_argument("--baselines", type=names, default=("torch",), help="torch, flex (or empty)")
-    p.add_argument("--baseline-max-batch", type=positive_int, default=64)
+    p.add_argument("--backends", type=names, default=("triton",),
+                   help="msa backends to time (comma list; default: triton)")
+    p.add_argument("--baselines", type=names, default=("torch",),
+                   help="baselines to time beside msa: torch, flex (comma list, or empty; default: torch)")
+    p.add_argument("--baseline-max-batch", type=positive_int, default=64,
+                   help="largest B at which the baselines run (default 64)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
     p.add_argument("--eager", action="store_true",
                    help="eager calls instead: host us per call next to one empty Triton launch, and wall time")
-    p.add_argument("--reps", type=positive_int, default=50)
+    p.add_argument("--reps", type=positive_int, default=50,
+                   help="timed repetitions per measurement, median reported (default 50)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for bench.json and bench.png")
     p.add_argument("--plot", type=bench_file, default=None, help="only draw the plot of an existing bench.json")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from msa.bench.sweep import BenchConfig, plot, run_sweep, summary_table
 
     if args.plot is not None:

@@ -10,17 +10,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from msa.api import select_backend, sparse_decode
 from msa.cli.args import Subparsers, device, positive_int
-from msa.display import format_table, progress
-from msa.errors import MSAUnsupportedError
-from msa.oracle import dense_masked_attention
-from msa.problem import MINIMAX_M3, Geometry
-from msa.validation import check_decode_inputs
-from msa.workload import make_decode_step
+
+if TYPE_CHECKING:  # imported by `run`: building the parser imports no torch
+    import torch
+
+    from msa.problem import Geometry
 
 __all__ = ["add_parser", "run"]
 
@@ -62,6 +59,8 @@ def add_parser(subparsers: Subparsers) -> None:
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall time of `fn` in microseconds (after one warm-up run)."""
+    import torch
+
     fn()
     samples = []
     for _ in range(max(repeats, 1)):
@@ -86,6 +85,11 @@ def _cross_check(
     """When the demo's backend is the reference itself, compare it with the Triton kernels on a
     small step (under the Triton interpreter on the CPU), so the check means something; no error
     (None) where Triton cannot run."""
+    from msa.api import select_backend, sparse_decode
+    from msa.errors import MSAUnsupportedError
+    from msa.validation import check_decode_inputs
+    from msa.workload import make_decode_step
+
     step = make_decode_step(
         geometry, batch_size=CROSS_CHECK_BATCH, decode_query_len=query_len, context_len=CROSS_CHECK_CONTEXT,
         kv_cache_dtype=name, device=device, seed=seed,
@@ -102,7 +106,38 @@ def _cross_check(
     return f"triton ({where}B={CROSS_CHECK_BATCH}, {CROSS_CHECK_CONTEXT} tokens)", err
 
 
+def _check_backend(
+    args: argparse.Namespace, geometry: Geometry, layouts: tuple[str, ...], device: torch.device
+) -> None:
+    """Select the backend of each layout's step from the step's description, before anything is
+    built or printed: an unknown `--backend`, or one that cannot run a step here, ends the demo
+    with one error line (`MSAInputError` / `MSAUnsupportedError`) and nothing else."""
+    import torch
+
+    from msa.api import select_backend
+    from msa.layouts import get_layout
+    from msa.problem import DecodeProblem
+
+    max_blocks = max(1, -(-args.context // geometry.page_size))  # as msa.workload.make_decode_step
+    for name in layouts:
+        problem = DecodeProblem(
+            geometry=geometry,
+            batch_size=args.batch,
+            query_len=args.query_len,
+            kv_layout=get_layout(name).name,
+            q_dtype=torch.bfloat16,
+            out_dtype=torch.bfloat16,
+            device_type=device.type,
+            num_pages=args.batch * max_blocks + 1,
+            max_blocks=max_blocks,
+            return_lse=True,  # the demo compares LSEs too
+        )
+        select_backend(problem, args.backend)
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
@@ -110,8 +145,16 @@ def run(args: argparse.Namespace) -> int:
         # the cross-check runs the Triton kernels through the interpreter on the CPU; it must be
         # switched on before triton is first imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from msa.api import select_backend, sparse_decode
+    from msa.display import format_table, progress
+    from msa.oracle import dense_masked_attention
+    from msa.problem import MINIMAX_M3
+    from msa.validation import check_decode_inputs
+    from msa.workload import make_decode_step
+
     geometry = MINIMAX_M3.tensor_parallel(args.tp)
     layouts = DEMO_LAYOUTS if args.layout == "all" else (args.layout,)
+    _check_backend(args, geometry, layouts, device)  # every argument checked before the first line
     print(
         f"msa demo: MiniMax-M3 TP{args.tp} ({geometry.describe()}), B={args.batch}, "
         f"L={args.query_len}, context {args.context} tokens, on {device}"
@@ -128,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             device=device,
             seed=args.seed,
         )
-        problem, _ = check_decode_inputs(**step.kwargs())
+        problem, _ = check_decode_inputs(**step.kwargs(), return_lse=True)
         backend = select_backend(problem, args.backend)
         kwargs = step.kwargs()
         out, lse = sparse_decode(**kwargs, backend=backend.name, return_lse=True, validate=True)

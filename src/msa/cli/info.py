@@ -1,24 +1,21 @@
-"""`msa layouts` and `msa version`: what this installation offers."""
+"""`msa layouts` and `msa version`: what this installation offers (torch and the layouts are
+imported by the commands, not by their parsers)."""
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
-from msa.api import available_backends
 from msa.cli.args import Subparsers, layout_head_dim
-from msa.display import format_table
-from msa.layouts import LAYOUT_NAMES, get_layout
-from msa.problem import MINIMAX_M3
+from msa.cli.defaults import M3_HEAD_DIM
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "run_layouts", "run_version"]
 
 
 def add_parsers(subparsers: Subparsers) -> None:
     layouts = subparsers.add_parser("layouts", help="list the KV-cache layouts and their sizes")
     layouts.add_argument(
-        "--head-dim", type=layout_head_dim, default=MINIMAX_M3.head_dim, help="D (every layout must store it)"
+        "--head-dim", type=layout_head_dim, default=M3_HEAD_DIM,
+        help="D (every layout must store it; default %(default)s)",
     )
     layouts.set_defaults(func=run_layouts)
     version = subparsers.add_parser("version", help="versions of msa, torch and the device")
@@ -26,6 +23,9 @@ def add_parsers(subparsers: Subparsers) -> None:
 
 
 def run_layouts(args: argparse.Namespace) -> int:
+    from msa.display import format_table
+    from msa.layouts import LAYOUT_NAMES, get_layout
+
     rows = []
     for name in LAYOUT_NAMES:
         layout = get_layout(name)
@@ -49,7 +49,10 @@ def run_layouts(args: argparse.Namespace) -> int:
 
 
 def run_version(args: argparse.Namespace) -> int:
+    import torch
+
     from msa import __version__
+    from msa.api import available_backends
 
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"msa {__version__}, torch {torch.__version__}, CUDA device: {cuda}")
