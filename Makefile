@@ -6,6 +6,12 @@
 #                      0.7.2.post1 Python code, msa's vLLM plugin through vLLM 0.33.0's own plugin
 #                      loader and MiniMax-M3 backends, the SGLang drop-in under SGLang 0.5.23's
 #                      decode layer, on the CPU (downloads the pinned wheels once)
+# and the GPU gate, on a CUDA machine (run it on the final commit of any change to a kernel, a
+# launcher or a backend, and commit its record):
+#   make gpu-check         every kernel path twice eagerly and in a replayed CUDA graph against the
+#                          reference with NaN in every unread byte, then the `-m gpu` suite and the
+#                          flaky-prone tests repeated (tests/gpu_check.py); writes GPU_CHECK_RECORD
+#   make gpu-check-status  whether that record was made on the src/ of HEAD
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU build of torch (CI and the development machines have no GPU), from PyTorch's CPU-only
@@ -26,7 +32,7 @@ CONF_WHEELS ?= .cache/wheels
 CONF_SITE   ?= .cache/conformance/site
 CONF_STAMP   = $(CONF_SITE)/.conformance-installed
 
-.PHONY: demo test test-slow typecheck pytest clean conformance
+.PHONY: demo test test-slow typecheck pytest clean conformance gpu-check gpu-check-status
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +65,20 @@ $(CONF_STAMP): $(STAMP) tests/conformance/install.py
 # MSA_CONFORMANCE=1 turns a missing package into a failure instead of a skip
 conformance: $(CONF_STAMP)
 	MSA_CONFORMANCE=1 PYTHONPATH=$(CONF_SITE) TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/conformance
+
+# the GPU machine's own python and torch (no venv): GPU_PYTHON=python3
+GPU_PYTHON       ?= python3
+GPU_CHECK_RECORD ?= benchmarks/results/gpu-check.txt
+
+gpu-check:
+	PYTHONPATH=src:tests:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) tests/gpu_check.py --record $(GPU_CHECK_RECORD)
+
+# the record's first line is `src <tree hash>`; HEAD's src/ must be that tree
+gpu-check-status:
+	@ran=$$(sed -n 's/^src \([0-9a-f]*\).*/\1/p' $(GPU_CHECK_RECORD) 2>/dev/null | head -n 1); \
+	now=$$(git rev-parse HEAD:src); \
+	if [ "$$ran" = "$$now" ]; then echo "gpu-check ran on HEAD's src/ ($$now): $$(sed -n 2p $(GPU_CHECK_RECORD))"; \
+	else echo "gpu-check has NOT run on HEAD's src/: the record says $${ran:-nothing}, src/ is $$now"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .mypy_cache .pytest_cache
