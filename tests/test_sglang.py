@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from cases import gpu_atol
+from engine_oracles import assert_close_to_oracle, sglang_decode_oracle
 
 import msa
 from msa.integrations.sglang import flash_decode_with_gqa_share_sparse, pools_as_pages
@@ -22,7 +23,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 BLOCK = 16  # the sparse block (128 for M3; small here for the CPU)
 
 
-def _sglang_state(gen: torch.Generator, layout: str, page_size: int = 32, batch: int = 3, device: str = "cpu") -> dict[str, Any]:
+def _sglang_state(gen: torch.Generator, layout: str, page_size: int = 32, batch: int = 3, device: str = "cpu",
+                  lens: list[int] | None = None) -> dict[str, Any]:
     hkv, hq, d, k = 2, 8, 64, 4
     dtype = torch.float8_e4m3fn if layout == "fp8_e4m3" else torch.bfloat16
     max_reqs, max_context = batch + 3, 8 * BLOCK
@@ -31,9 +33,11 @@ def _sglang_state(gen: torch.Generator, layout: str, page_size: int = 32, batch:
     v_pool = (torch.randn((num_pages * page_size, hkv, d), generator=gen) * 2).to(dtype)
     req_to_token = torch.zeros((max_reqs, max_context), dtype=torch.int32)
     free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is SGLang's dummy page
-    lens = [int(torch.randint(1, max_context, (1,), generator=gen)) for _ in range(batch)]
+    if lens is None:
+        lens = [int(torch.randint(1, max_context, (1,), generator=gen)) for _ in range(batch)]
     slot_ids = torch.randperm(max_reqs, generator=gen)[:batch].int()
     for req, n in zip(slot_ids.tolist(), lens, strict=True):
+        n = min(n, max_context)  # a longer seq_lens entry is clamped by the kernel
         pages = [free.pop() for _ in range(-(-n // page_size))]
         pos = torch.arange(n)
         req_to_token[req, :n] = (torch.tensor(pages)[pos // page_size] * page_size + pos % page_size).int()
@@ -144,3 +148,40 @@ def test_table_kernel_equals_the_torch_path_on_every_selected_block(gen: torch.G
             for j in s["topk"][h, b].tolist():
                 if 0 <= j < full.shape[1] and valid[b]:
                     assert table[b, j] == full[b, j], (h, b, j)
+
+
+# -- against SGLang's contract, read from SGLang's structures (tests/engine_oracles.py) -------------
+
+
+def _oracle(s: dict[str, Any], **scales: Any) -> torch.Tensor:
+    """Every selected token gathered through `req_to_token[slot_ids[b], pos]` from the pools."""
+    return sglang_decode_oracle(s["q"], s["k_pool"], s["v_pool"], s["req_to_token"], s["seq_lens"], s["slot_ids"],
+                                BLOCK, s["topk"], **scales)
+
+
+@pytest.mark.parametrize("layout, page_size", [("bfloat16", BLOCK), ("bfloat16", 2 * BLOCK), ("fp8_e4m3", 4 * BLOCK),
+                                               ("fp8_e4m3", 2 * BLOCK)])
+def test_drop_in_equals_the_sglang_oracle(layout: str, page_size: int, gen: torch.Generator) -> None:
+    """Pages of one or several sparse blocks handed out in any order; distinct q, k and v
+    scales and an explicit sm_scale, as SGLang's attention layer passes them."""
+    s = _sglang_state(gen, layout, page_size=page_size, batch=4)
+    scales = dict(sm_scale=0.11, q_scale=0.75, k_scale=0.5, v_scale=1.5)
+    out = _drop_in(s, **scales)
+    assert_close_to_oracle(out, _oracle(s, **scales), f"{layout}, page_size={page_size}")
+    assert_close_to_oracle(_drop_in(s, k_scale=None, v_scale=None), _oracle(s), f"{layout}, unit scales")
+
+
+def test_seq_lens_past_max_context_equal_the_sglang_oracle(gen: torch.Generator) -> None:
+    """SGLang clamps each length to `req_to_token`'s width."""
+    max_context = 8 * BLOCK
+    s = _sglang_state(gen, "bfloat16", lens=[max_context + 40, 5, max_context])
+    assert int(s["seq_lens"][0]) > max_context
+    assert_close_to_oracle(_drop_in(s), _oracle(s), "clamped lengths")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+def test_triton_drop_in_equals_the_sglang_oracle(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MSA_BACKEND", "triton")
+    s = _sglang_state(gen, "fp8_e4m3", page_size=2 * BLOCK)
+    scales = dict(sm_scale=0.11, q_scale=0.75, k_scale=0.5, v_scale=1.5)
+    assert_close_to_oracle(_drop_in(s, **scales), _oracle(s, **scales), "triton")

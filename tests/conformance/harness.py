@@ -20,6 +20,14 @@ fmha_sm100's own input validation (`check_input_valid`, off by default) is switc
 call: it checks the index lists (ascending, -1 only at the tail, in range), the page pointers
 and the work lists that the kernels take on trust.
 
+vLLM 0.33.0's MiniMax-M3 attention modules and plugin loader (`vllm_m3`, test_vllm_plugin.py)
+run as they are — `vllm.plugins.load_general_plugins`, `vllm.envs`, the M3 backends' `forward`
+under vLLM's own forward context — with one thing held back: the body of the package
+`vllm.models.minimax_m3/__init__.py`, which imports the whole model (its vision tower needs
+torchvision, its layers vLLM's compiled ops); the package is registered with its real `__path__`,
+so its attention modules import from the wheel's files. SGLang 0.5.23's `minimax_sparse_decode`
+(test_sglang_minimax.py) runs as it is, with its one Triton kernel call intercepted.
+
 `make conformance` installs the packages (tests/conformance/install.py); without them every test
 here is skipped.
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
@@ -478,3 +487,67 @@ def flashinfer(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPat
     h.use_10x()
     yield h
     bw._program.cache_clear()
+
+
+# -- vLLM 0.33.0's MiniMax-M3 attention backends and plugin loader ---------------------------------
+
+M3_PACKAGE = "vllm.models.minimax_m3"
+M3_OPS = "vllm.models.minimax_m3.common.ops.sparse_attn"
+
+
+@functools.cache
+def _m3_package() -> None:
+    """`vllm.models.minimax_m3` with its real `__path__` but without running its `__init__`
+    (the whole model: torchvision, vLLM's compiled ops), so the attention modules load alone."""
+    if M3_PACKAGE in sys.modules:
+        return
+    vllm = importlib.import_module("vllm")
+    root = Path(vllm.__file__).parent / "models" / "minimax_m3"
+    spec = importlib.machinery.ModuleSpec(M3_PACKAGE, None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    package = importlib.util.module_from_spec(spec)
+    package.__path__ = [str(root)]
+    sys.modules[M3_PACKAGE] = package
+
+
+class VllmM3:
+    """vLLM's plugin loader and the M3 modules the plugin patches, with msa's plugin module."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from msa.integrations import vllm_plugin
+
+        self.monkeypatch = monkeypatch
+        self.plugin = vllm_plugin
+        self.plugins = importlib.import_module("vllm.plugins")
+        self.forward_context = importlib.import_module("vllm.forward_context")
+        self.ops = importlib.import_module(M3_OPS)
+        self.common, self.nvidia = (importlib.import_module(name) for name in vllm_plugin.CALL_SITES)
+
+    def load_general_plugins(self) -> None:
+        """vLLM's own loader, as a fresh vLLM process runs it."""
+        self.monkeypatch.setattr(self.plugins, "plugins_loaded", False)
+        self.plugins.load_general_plugins()
+
+    def unload_call_sites(self) -> None:
+        """Forget the call-site modules (restored after the test), so the next import runs them."""
+        for name in self.plugin.CALL_SITES:
+            self.monkeypatch.delitem(sys.modules, name)
+
+    def call_sites(self) -> list[types.ModuleType]:
+        return [importlib.import_module(name) for name in self.plugin.CALL_SITES]
+
+    @staticmethod
+    def routed(module: types.ModuleType) -> bool:
+        return bool(getattr(module.minimax_m3_sparse_attn_decode, "__msa_routed__", False))
+
+
+@pytest.fixture
+def vllm_m3(monkeypatch: pytest.MonkeyPatch) -> Iterator[VllmM3]:
+    require(*VLLM)
+    _m3_package()
+    for name in ("VLLM_PLUGINS", "MSA_VLLM_PLUGIN", "MSA_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    h = VllmM3(monkeypatch)
+    assert not any(h.routed(m) for m in (h.common, h.nvidia)), "a previous test left msa's routing in place"
+    yield h
+    h.plugin.unregister()
