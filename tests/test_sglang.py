@@ -126,28 +126,45 @@ def test_drop_in_on_gpu(layout: str, gen: torch.Generator) -> None:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the table kernel runs on the CPU only under TRITON_INTERPRET=1")
-def test_table_kernel_equals_the_torch_path_on_every_selected_block(gen: torch.Generator,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-launch table (only selected blocks written) against the whole-row torch gather:
-    the same lengths, the same page at every entry a list selects (invalid slots and ids too)."""
+def test_table_kernel_equals_the_torch_path(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch table against the whole-row torch gather: the same lengths and the same
+    page at every block a request's length reaches, -1 beyond (invalid slots and lengths past
+    max_context included)."""
     import msa.integrations.sglang as sglang
 
     s = _sglang_state(gen, "bfloat16", batch=5)
     s["slot_ids"][1] = 99  # not a row of req_to_token
     s["slot_ids"][2] = -3
-    s["topk"][0, 0, 1] = 1000  # past the table
-    args = (s["req_to_token"], s["slot_ids"], s["seq_lens"].long(), s["topk"], BLOCK)
-    table, lens = sglang.step_tables(*args)
+    s["seq_lens"][3] = 10**6  # past max_context
+    args = (s["req_to_token"], s["slot_ids"], s["seq_lens"].long(), BLOCK)
+    table, lens = sglang._tables(*args)
     monkeypatch.setattr(sglang, "interpreting", lambda: False)
-    full, full_lens = sglang.step_tables(*args)
+    full, full_lens = sglang._tables(*args)
     assert torch.equal(lens, full_lens) and lens.dtype == torch.int32
-    hkv, batch, _ = s["topk"].shape
-    valid = (s["slot_ids"] >= 0) & (s["slot_ids"] < s["req_to_token"].shape[0])
-    for h in range(hkv):
-        for b in range(batch):
-            for j in s["topk"][h, b].tolist():
-                if 0 <= j < full.shape[1] and valid[b]:
-                    assert table[b, j] == full[b, j], (h, b, j)
+    assert torch.equal(table, full)
+    assert (table[1] == -1).all() and (table[2] == -1).all() and lens[1] == lens[2] == 0
+
+
+def test_the_layers_of_a_step_share_its_tables(gen: torch.Generator) -> None:
+    """A step's tables are made once for all its layers: the same tensors (unchanged) give the
+    same tables; a change in place through torch, or new tensors, give new ones — under
+    torch.inference_mode() too, where new objects are what tells a new step."""
+    from msa.integrations.sglang import step_tables
+
+    s = _sglang_state(gen, "bfloat16", batch=3)
+    args = [s["req_to_token"], s["slot_ids"], s["seq_lens"], BLOCK]
+    first = step_tables(*args)
+    assert step_tables(*args)[0] is first[0]
+    s["seq_lens"].sub_(1)  # the next step, in place
+    second = step_tables(*args)
+    assert second[0] is not first[0] and torch.equal(second[1], (s["seq_lens"]).int())
+    with torch.inference_mode():
+        lens = s["seq_lens"].clone()
+        args[2] = lens
+        third = step_tables(*args)
+        assert step_tables(*args)[0] is third[0]
+        args[2] = lens.clone()
+        assert step_tables(*args)[0] is not third[0]
 
 
 # -- against SGLang's contract, read from SGLang's structures (tests/engine_oracles.py) -------------

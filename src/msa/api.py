@@ -14,7 +14,7 @@ from msa.backends.base import AnyBackend
 from msa.errors import MSAInputError
 from msa.layouts import KVCache
 from msa.planner import DecodePlanner
-from msa.platform import detect, stream_capturing
+from msa.platform import current_stream_key, detect, stream_capturing
 from msa.policy import default_policy
 from msa.problem import DecodeProblem
 from msa.registry import get_registry
@@ -253,13 +253,6 @@ def _thread_local() -> Any:
     return local
 
 
-def _stream_key(device_index: int) -> int:
-    """The current CUDA stream of a device (0 for the CPU), as cheaply as torch offers it."""
-    if device_index < 0:
-        return 0
-    return int(torch._C._cuda_getCurrentRawStream(device_index))
-
-
 def _call_signature(
     q: object, kv_cache: object, topk_indices: object, block_table: object, seq_lens: object,
     decode_query_len: object, kv_cache_dtype: object, sm_scale: object, q_scale: object, k_scale: object,
@@ -273,7 +266,8 @@ def _call_signature(
     return call_signature(
         (q, kv_cache, topk_indices, block_table, seq_lens, out, lse, query_start_loc),
         (sm_scale, q_scale, k_scale, v_scale, return_lse, decode_query_len, kv_cache_dtype, backend, dcp_size,
-         os.environ.get("MSA_BACKEND", ""), _stream_key(q.get_device()), get_registry(), stream_capturing(q.device)),
+         os.environ.get("MSA_BACKEND", ""), current_stream_key(q.get_device()), get_registry(),
+         stream_capturing(q.device)),
     )
 
 
@@ -311,9 +305,9 @@ def _one_shot_planner(problem: DecodeProblem, layout: str, backend: str, device:
     registry = get_registry()
     capturing = stream_capturing(device)  # only capturable backends are chosen then
     key = (
-        problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device, _stream_key(q_index(device)),
-        problem.q_dtype, problem.return_lse, registry, problem.kv_form, capturing, problem.vector_aligned,
-        problem.dcp_size,
+        problem.geometry, layout, backend, os.environ.get("MSA_BACKEND", ""), device,
+        current_stream_key(q_index(device)), problem.q_dtype, problem.return_lse, registry, problem.kv_form,
+        capturing, problem.vector_aligned, problem.dcp_size,
     )
     planner = planners.get(key)
     if planner is None:

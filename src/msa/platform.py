@@ -18,6 +18,7 @@ __all__ = [
     "detect",
     "triton_available",
     "resolve_device",
+    "current_stream_key",
     "package_installed",
     "stream_capturing",
     "OPTIONAL_PACKAGES",
@@ -139,6 +140,15 @@ def detect(device: torch.device | str | None = None) -> Platform:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     return _detect(dev.type, dev.index)
+
+
+def current_stream_key(device_index: int) -> int:
+    """The current CUDA stream of device `device_index` as a number (0 off CUDA: an index < 0), as
+    cheaply as torch offers it: what tells apart work that is ordered (one stream) from work
+    that is not."""
+    if device_index < 0:
+        return 0
+    return int(torch._C._cuda_getCurrentRawStream(device_index))
 
 
 def stream_capturing(device: torch.device) -> bool:

@@ -31,12 +31,16 @@ attention sink (`sink`), HiSparse slots, and `page_size` that is not a multiple 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError
 from msa.integrations.sglang_kernels import BLOCK, sglang_tables_kernel
 from msa.launcher import DirectKernel, direct_launch_enabled, interpreting
+from msa.planning import tensor_versions
+from msa.platform import current_stream_key
 from msa.validation import check_tensor
 
 __all__ = ["flash_decode_with_gqa_share_sparse", "sglang_block_table", "step_tables", "pools_as_pages"]
@@ -46,16 +50,17 @@ def pools_as_pages(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's `[slots, Hkv, D]` pools as msa's `[pages, Hkv, block_size, D]` K and V views (no
-    copy; slots past the last whole page are not addressable)."""
+    copy, one `as_strided` each; slots past the last whole page are not addressable)."""
     views = []
     for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, pool)
         if pool.dim() != 3 or pool.stride(-1) != 1:
             expected = "a [slots, Hkv, D] token pool with unit last stride"
             raise MSAInputError(name, expected, f"shape {tuple(pool.shape)}")
-        pages = pool.shape[0] // block_size
-        paged = pool[: pages * block_size].view(pages, block_size, pool.shape[1], pool.shape[2])
-        views.append(paged.transpose(1, 2))
+        slots, heads, dim = pool.shape
+        token, head = pool.stride(0), pool.stride(1)
+        views.append(pool.as_strided((slots // block_size, heads, block_size, dim),
+                                     (block_size * token, head, token, 1)))
     return views[0], views[1]
 
 
@@ -67,42 +72,64 @@ def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block
 
 
 def step_tables(
-    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, topk_idx: torch.Tensor, block_size: int
+    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """msa's `(block_table, seq_lens)` for a step on SGLang's structures: the table `[B,
-    ceil(max_context / block_size)]` (written only where a list of `topk_idx` selects a block: msa
-    reads no other entry) and the lengths clamped to `max_context`, 0 for a row whose `slot_ids`
-    entry is not a row of `req_to_token`. One kernel launch on a GPU (launched directly after the
-    first call of a shape); torch ops over whole rows elsewhere."""
+    ceil(max_context / block_size)]` (the page of each block a request's length reaches, -1
+    beyond) and the lengths clamped to `max_context`, 0 for a row whose `slot_ids` entry is not a
+    row of `req_to_token`.
+
+    One kernel launch on a GPU, launched directly after the first call of a shape, reading one
+    slot per visible block; torch ops over whole rows elsewhere. The layers of a step share it:
+    called again, on the same thread and stream, with the very tensors of the previous call,
+    unchanged through torch since (their version counters; under `torch.inference_mode()`,
+    where torch keeps none, the same objects — SGLang passes each batch's as new tensors), it
+    returns the previous call's tables, which msa's own step-sharing then reuses too."""
+    device = req_to_token.device
+    key = (current_stream_key(device.index if device.type == "cuda" else -1), block_size)
+    tensors = (req_to_token, slot_ids, seq_lens)
+    last = getattr(_LOCAL, "step", None)
+    if (last is not None and last[1] == key and all(a is b for a, b in zip(last[0], tensors, strict=True))
+            and last[2] == tensor_versions(*tensors)):
+        shared: tuple[torch.Tensor, torch.Tensor] = last[3]
+        return shared
+    tables = _tables(req_to_token, slot_ids, seq_lens, block_size)
+    _LOCAL.step = (tensors, key, tensor_versions(*tensors), tables)
+    return tables
+
+
+def _tables(
+    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     max_reqs, max_context = req_to_token.shape
     batch = seq_lens.shape[0]
     max_blocks = -(-max_context // block_size)
-    valid = (slot_ids >= 0) & (slot_ids < max_reqs)
-    if not (req_to_token.is_cuda or interpreting()) or topk_idx.dim() != 3 or topk_idx.shape[1] != batch:
+    if not (req_to_token.is_cuda or interpreting()):
+        valid = (slot_ids >= 0) & (slot_ids < max_reqs)
         lens = torch.where(valid, seq_lens.clamp(max=max_context), 0).to(torch.int32)
-        return sglang_block_table(req_to_token, torch.where(valid, slot_ids, 0), block_size), lens
+        table = sglang_block_table(req_to_token, torch.where(valid, slot_ids, 0), block_size)
+        visible = torch.arange(max_blocks, device=lens.device).view(1, -1) * block_size < lens.view(-1, 1)
+        return torch.where(visible, table, -1), lens
     table = torch.empty((batch, max_blocks), dtype=torch.int32, device=req_to_token.device)
     lens = torch.empty((batch,), dtype=torch.int32, device=req_to_token.device)
-    entries = topk_idx.numel()
-    args = dict(
-        topk_ptr=topk_idx, req_to_token_ptr=req_to_token, slot_ids_ptr=slot_ids, seq_lens_ptr=seq_lens,
-        table_ptr=table, lens_ptr=lens, num_entries=entries, batch=batch, topk=topk_idx.shape[2], max_reqs=max_reqs,
-        max_context=max_context, max_blocks=max_blocks, stride_th=topk_idx.stride(0), stride_tb=topk_idx.stride(1),
-        stride_tk=topk_idx.stride(2), stride_rr=req_to_token.stride(0), stride_rt=req_to_token.stride(1),
-        BLOCK_SIZE=block_size, BLOCK=BLOCK,
-    )
-    signature = tuple((k, v) if not isinstance(v, torch.Tensor) else (k, v.dtype, v.device) for k, v in args.items())
+    signature = (batch, max_reqs, max_context, req_to_token.stride(), req_to_token.dtype, slot_ids.dtype,
+                 seq_lens.dtype, block_size, req_to_token.device)
     kernel = _KERNELS.get(signature)
     if kernel is None:
         if len(_KERNELS) >= 64:
             _KERNELS.clear()
-        kernel = _KERNELS[signature] = DirectKernel(sglang_tables_kernel, (-(-max(entries, batch) // BLOCK),))
-    kernel(args, direct_launch_enabled())
+        kernel = _KERNELS[signature] = DirectKernel(sglang_tables_kernel, (-(-max(batch * max_blocks, 1) // BLOCK),))
+    kernel(dict(req_to_token_ptr=req_to_token, slot_ids_ptr=slot_ids, seq_lens_ptr=seq_lens, table_ptr=table,
+                lens_ptr=lens, batch=batch, max_reqs=max_reqs, max_context=max_context, max_blocks=max_blocks,
+                stride_rr=req_to_token.stride(0), stride_rt=req_to_token.stride(1), BLOCK_SIZE=block_size,
+                BLOCK=BLOCK), direct_launch_enabled())
     return table, lens
 
 
-#: The table kernel's launchers, per call signature (integer arguments and tensor dtypes).
+#: The table kernel's launchers, per call signature (integer arguments, dtypes, device).
 _KERNELS: dict[tuple[object, ...], DirectKernel] = {}
+#: This thread's last step: (tensors, (stream, block size), their versions, (table, lens)).
+_LOCAL = threading.local()
 
 
 def flash_decode_with_gqa_share_sparse(
@@ -152,7 +179,7 @@ def flash_decode_with_gqa_share_sparse(
     if seq_lens.dim() != 1 or slot_ids.shape != seq_lens.shape:
         raise MSAInputError("slot_ids / seq_lens", "two [B] tensors", f"shapes {tuple(slot_ids.shape)} / "
                             f"{tuple(seq_lens.shape)}")
-    table, lens = step_tables(req_to_token, slot_ids, seq_lens, topk_idx, block_size)
+    table, lens = step_tables(req_to_token, slot_ids, seq_lens, block_size)
     out = sparse_decode(
         q,
         pools_as_pages(k_cache, v_cache, block_size),

@@ -5,6 +5,6 @@ refreshed in place, the step's tables, and a bounded cache of plans keyed by ste
 from msa.planning.cache import PlanCache
 from msa.planning.indices import resolve_entries
 from msa.planning.refresh import RowMetadata
-from msa.planning.tables import StepTables
+from msa.planning.tables import StepTables, tensor_versions
 
-__all__ = ["PlanCache", "RowMetadata", "StepTables", "resolve_entries"]
+__all__ = ["PlanCache", "RowMetadata", "StepTables", "resolve_entries", "tensor_versions"]

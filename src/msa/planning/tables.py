@@ -9,7 +9,7 @@ from msa.planning.refresh import RowMetadata
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
-__all__ = ["StepTables"]
+__all__ = ["StepTables", "tensor_versions"]
 
 
 @attrs.define(eq=False)
@@ -34,7 +34,7 @@ class StepTables:
     versions: tuple[int, ...] = attrs.field(default=(), init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.versions = _versions(self.block_table, self.seq_lens, self.query_start_loc)
+        self.versions = tensor_versions(self.block_table, self.seq_lens, self.query_start_loc)
 
     @classmethod
     def build(
@@ -68,7 +68,7 @@ class StepTables:
         self.block_table, self.seq_lens, self.seq_lens_cpu = block_table, seq_lens, seq_lens_cpu
         self.query_start_loc = query_start_loc
         self.rows.refresh(seq_lens, query_start_loc)
-        self.versions = _versions(block_table, seq_lens, query_start_loc)
+        self.versions = tensor_versions(block_table, seq_lens, query_start_loc)
 
     def holds(
         self,
@@ -86,11 +86,11 @@ class StepTables:
             and self.seq_lens is seq_lens
             and self.query_start_loc is query_start_loc
             and self.seq_lens_cpu is seq_lens_cpu
-            and self.versions == _versions(block_table, seq_lens, query_start_loc)
+            and self.versions == tensor_versions(block_table, seq_lens, query_start_loc)
         )
 
 
-def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+def tensor_versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
     """The version counters of `tensors`: -1 for None, -2 for an inference tensor (made under
     `torch.inference_mode()`, where torch keeps no counter: identity alone decides for it)."""
     return tuple(-1 if t is None else -2 if t.is_inference() else t._version for t in tensors)
