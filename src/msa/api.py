@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, Unpack, overload
 
 import attrs
 import torch
@@ -29,7 +29,7 @@ from msa.validation import (
     validation_requested,
 )
 
-__all__ = ["sparse_decode", "select_backend", "available_backends"]
+__all__ = ["sparse_decode", "select_backend", "available_backends", "DecodeOptions"]
 
 
 def available_backends() -> list[AnyBackend]:
@@ -52,75 +52,40 @@ def select_backend(problem: DecodeProblem, backend: str = "auto") -> AnyBackend:
     return chosen
 
 
+class DecodeOptions(TypedDict, total=False):
+    """The keyword arguments of a decode step besides its tensors and its LSE output, shared by
+    `sparse_decode` and `msa.distributed.sparse_decode` (see `sparse_decode` for each)."""
+
+    decode_query_len: int
+    kv_cache_dtype: str | None
+    sm_scale: Scale | None
+    q_scale: Scale
+    k_scale: Scale
+    v_scale: Scale
+    out: torch.Tensor | None
+    backend: str
+    validate: bool
+    query_start_loc: torch.Tensor | None
+
+
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: None = ...,
-    return_lse: Literal[False] = ...,
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
-    dcp_size: int = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, lse: None = ..., return_lse: Literal[False] = ..., dcp_size: int = ..., **options: Unpack[DecodeOptions],
 ) -> torch.Tensor: ...
 
 
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: torch.Tensor,
-    return_lse: bool = ...,
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
-    dcp_size: int = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, lse: torch.Tensor, return_lse: bool = ..., dcp_size: int = ..., **options: Unpack[DecodeOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: torch.Tensor | None = ...,
-    return_lse: Literal[True],
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
-    dcp_size: int = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, lse: torch.Tensor | None = ..., return_lse: Literal[True], dcp_size: int = ..., **options: Unpack[DecodeOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -305,7 +305,7 @@ def check_decode_inputs(
     block_table: object,
     seq_lens: object,
     *,
-    decode_query_len: object,
+    decode_query_len: object = 1,
     kv_cache_dtype: str | None = None,
     sm_scale: object = None,
     q_scale: object = 1.0,

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, Unpack, overload
 
 import torch
 
 import msa.api
+from msa.api import DecodeOptions
 from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
 from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import GroupInfo, ProcessGroup, group_info
 from msa.errors import MSAInputError
 from msa.layouts import KVCache
-from msa.scales import Scale
 from msa.validation import check_decode_inputs, check_flag, output_dtype, validation_requested
 
 __all__ = ["sparse_decode"]
@@ -21,82 +21,27 @@ __all__ = ["sparse_decode"]
 
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int,
-    group: ProcessGroup | None = ...,
-    method: str | None = ...,
-    scatter_heads: bool = ...,
-    reduce_dtype: torch.dtype | None = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: None = ...,
-    return_lse: Literal[False] = ...,
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, group: ProcessGroup | None = ..., method: str | None = ..., scatter_heads: bool = ...,
+    reduce_dtype: torch.dtype | None = ..., lse: None = ..., return_lse: Literal[False] = ...,
+    **options: Unpack[DecodeOptions],
 ) -> torch.Tensor: ...
 
 
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int,
-    group: ProcessGroup | None = ...,
-    method: str | None = ...,
-    scatter_heads: bool = ...,
-    reduce_dtype: torch.dtype | None = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: torch.Tensor,
-    return_lse: bool = ...,
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, group: ProcessGroup | None = ..., method: str | None = ..., scatter_heads: bool = ...,
+    reduce_dtype: torch.dtype | None = ..., lse: torch.Tensor, return_lse: bool = ..., **options: Unpack[DecodeOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def sparse_decode(
-    q: torch.Tensor,
-    kv_cache: KVCache,
-    topk_indices: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    decode_query_len: int,
-    group: ProcessGroup | None = ...,
-    method: str | None = ...,
-    scatter_heads: bool = ...,
-    reduce_dtype: torch.dtype | None = ...,
-    kv_cache_dtype: str | None = ...,
-    sm_scale: Scale | None = ...,
-    q_scale: Scale = ...,
-    k_scale: Scale = ...,
-    v_scale: Scale = ...,
-    out: torch.Tensor | None = ...,
-    lse: torch.Tensor | None = ...,
-    return_lse: Literal[True],
-    backend: str = ...,
-    validate: bool = ...,
-    query_start_loc: torch.Tensor | None = ...,
+    q: torch.Tensor, kv_cache: KVCache, topk_indices: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, group: ProcessGroup | None = ..., method: str | None = ..., scatter_heads: bool = ...,
+    reduce_dtype: torch.dtype | None = ..., lse: torch.Tensor | None = ..., return_lse: Literal[True],
+    **options: Unpack[DecodeOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -107,22 +52,13 @@ def sparse_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
     group: ProcessGroup | None = None,
     method: str | None = None,
     scatter_heads: bool = False,
     reduce_dtype: torch.dtype | None = None,
-    kv_cache_dtype: str | None = None,
-    sm_scale: Scale | None = None,
-    q_scale: Scale = 1.0,
-    k_scale: Scale = 1.0,
-    v_scale: Scale = 1.0,
-    out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
-    validate: bool = False,
-    query_start_loc: torch.Tensor | None = None,
+    **options: Unpack[DecodeOptions],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`msa.sparse_decode` over a KV cache spread across the ranks of `group`.
 
@@ -165,19 +101,16 @@ def sparse_decode(
             agreement (no host reads): an error is raised on its rank only.
     """
     info = group_info(group)  # the same on every rank, or no group to agree in
+    validate = options.get("validate", False)
     validating = isinstance(validate, bool) and validation_requested(validate)
-    facts = _facts(q, block_table, seq_lens, decode_query_len, method, scatter_heads, reduce_dtype, validating,
-                   query_start_loc)
+    facts = _facts(q, block_table, seq_lens, options.get("decode_query_len", 1), method, scatter_heads, reduce_dtype,
+                   validating, options.get("query_start_loc"))
     step: tuple[Exchange, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
     error: Exception | None = None
     try:  # this rank's checks and its local decode: any error is agreed on before the merge
-        step = _local_step(
-            info, q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
-            method=method, scatter_heads=scatter_heads, reduce_dtype=reduce_dtype, kv_cache_dtype=kv_cache_dtype,
-            sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-            return_lse=return_lse, backend=backend, validate=validate, validating=validating,
-            query_start_loc=query_start_loc,
-        )
+        step = _local_step(info, q, kv_cache, topk_indices, block_table, seq_lens, method=method,
+                           scatter_heads=scatter_heads, reduce_dtype=reduce_dtype, lse=lse, return_lse=return_lse,
+                           validating=validating, options=options)
     except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
         error = exc
     agree(info, "msa.distributed.sparse_decode", facts, error, q.device if isinstance(q, torch.Tensor) else None)
@@ -231,29 +164,21 @@ def _local_step(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    decode_query_len: int,
     method: str | None,
     scatter_heads: bool,
     reduce_dtype: torch.dtype | None,
-    kv_cache_dtype: str | None,
-    sm_scale: Scale | None,
-    q_scale: Scale,
-    k_scale: Scale,
-    v_scale: Scale,
-    out: torch.Tensor | None,
     lse: torch.Tensor | None,
     return_lse: bool,
-    backend: str,
-    validate: bool,
     validating: bool,
-    query_start_loc: torch.Tensor | None,
+    options: DecodeOptions,
 ) -> tuple[Exchange, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """This rank's part of the step, before any collective: every check of its arguments, and
     its local decode into the exchange's buffers. Returns the exchange, the outputs, and (when
     validating) this rank's block usage for the coverage check."""
     check_flag("scatter_heads", scatter_heads)
     check_flag("return_lse", return_lse)
-    check_flag("validate", validate)
+    check_flag("validate", options.get("validate", False))
+    out = options.get("out")
     chosen = check_method(method if method is not None else ("reduce_scatter" if scatter_heads else "all_gather"),
                           scatter_heads)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -272,24 +197,22 @@ def _local_step(
     exchange.check_outputs(out_t, lse_t)
     check_outputs_apart(out_t, lse_t, (
         ("q", q), ("kv_cache", kv_cache), ("topk_indices", topk_indices), ("block_table", block_table),
-        ("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("sm_scale", sm_scale),
-        ("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale),
+        ("seq_lens", seq_lens), *((name, options.get(name)) for name in ("query_start_loc", "sm_scale", "q_scale",
+                                                                         "k_scale", "v_scale")),
     ))
+    local: DecodeOptions = {**options, "out": exchange.local_out}  # this rank's partial: the exchange's buffers
     usage = None
     if validating:
         # msa's single-GPU deep checks would reject the -1 entries of the rank-local table
-        problem, inputs = check_decode_inputs(
-            q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
-            kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-            out=exchange.local_out, lse=exchange.local_lse, query_start_loc=query_start_loc, dcp_size=info.world_size,
-        )
-        usage = shard_usage(problem, inputs, decode_query_len=decode_query_len, kv_cache_dtype=kv_cache_dtype)
+        backend = local.pop("backend", "auto")
+        local.pop("validate", None)
+        checks: dict[str, Any] = dict(local)  # the options check_decode_inputs takes: all but the two above
+        problem, inputs = check_decode_inputs(q, kv_cache, topk_indices, block_table, seq_lens, **checks,
+                                              lse=exchange.local_lse, dcp_size=info.world_size)
+        usage = shard_usage(problem, inputs, decode_query_len=options.get("decode_query_len", 1),
+                            kv_cache_dtype=options.get("kv_cache_dtype"))
         run_checked(problem, inputs, backend, exchange.local_out, exchange.local_lse)
     else:
-        msa.api.sparse_decode(
-            q, kv_cache, topk_indices, block_table, seq_lens, decode_query_len=decode_query_len,
-            kv_cache_dtype=kv_cache_dtype, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-            out=exchange.local_out, lse=exchange.local_lse, backend=backend, query_start_loc=query_start_loc,
-            dcp_size=info.world_size,
-        )
+        msa.api.sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, **local, lse=exchange.local_lse,
+                              dcp_size=info.world_size)
     return exchange, out_t, lse_t, usage
