@@ -227,3 +227,18 @@ def test_readme_lists_every_demo_flag() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     options = {a.option_strings[-1] for a in sub.choices["demo"]._actions if a.option_strings} - {"--help"}
     assert listed == options, (sorted(options - listed), sorted(listed - options))
+
+
+def test_explain_says_how_triton_runs_a_step_and_why_not_dedup(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--dcp-size`: a rank holding a share of each selection gets the per-token kernel where the
+    whole selection would get the dedup one, and explain says so."""
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    monkeypatch.delenv("MSA_TRITON_DEDUP", raising=False)
+    step = ["explain", "--capability", "9.0", "--sm-count", "132", "--kv-dtype", "fp8", "--batch", "64", "--query-len", "4"]
+    assert main(step) == 0
+    assert "triton runs it with the dedup kernel (4 tokens of a request per program" in capsys.readouterr().out
+    assert main([*step, "--dcp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "DCP over 2 ranks" in out
+    assert "triton runs it with the per-token kernel (not dedup: a rank of 2 holds a share of each selection)" in out

@@ -86,6 +86,11 @@ class Backend(abc.ABC, Generic[PlanT]):
         """Backend-specific refusals of the step beyond the declared capabilities (override)."""
         return []
 
+    def strategy(self, problem: DecodeProblem, platform: Platform) -> str | None:
+        """How this backend would run `problem` on `platform`, in a few words, for `msa explain`
+        (override; None: nothing to say)."""
+        return None
+
     @abc.abstractmethod
     def plan(self, problem: DecodeProblem, tables: StepTables) -> PlanT:
         """Prepare a step shape (outside CUDA-graph capture): allocate workspaces and metadata

@@ -98,6 +98,10 @@ def add_parsers(subparsers: Subparsers) -> None:
     explain.add_argument(
         "--graph-capture", action="store_true", help="the caller will capture the step in a CUDA graph"
     )
+    explain.add_argument(
+        "--dcp-size", type=positive_int, default=1,
+        help="ranks each request's pages are spread over (decode context parallelism; default 1)",
+    )
     explain.add_argument("--backend", default="auto", help="a backend name to request (default: auto)")
     _add_platform_arguments(explain)
     explain.set_defaults(func=run_explain)
@@ -250,6 +254,7 @@ def run_explain(args: argparse.Namespace) -> int:
         return_lse=args.lse,
         kv_form=args.kv_form,
         graph_capture=args.graph_capture,
+        dcp_size=args.dcp_size,
     )
     policy = SelectionPolicy()
     selection = policy.evaluate(problem, platform, args.backend)
@@ -257,9 +262,14 @@ def run_explain(args: argparse.Namespace) -> int:
         f"step: {geometry.describe()}, {problem.kv_layout} cache, q {args.q_dtype}, "
         f"B={args.batch}, L={args.query_len}{', LSE' if args.lse else ''}, K/V {args.kv_form}"
         f"{', graph capture' if args.graph_capture else ''}"
+        f"{f', DCP over {args.dcp_size} ranks' if args.dcp_size > 1 else ''}"
     )
     print(f"platform: {platform.describe()}")
     print(selection.explain())
+    if selection.chosen is not None:
+        how = policy.registry.get(selection.chosen).strategy(problem, platform)
+        if how:
+            print(f"{selection.chosen} runs it with {how}")
     for line in _failure_lines(policy.registry):
         print(line)
     return 0 if selection.chosen else 1

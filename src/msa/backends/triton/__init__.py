@@ -12,7 +12,7 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.backends.triton.config import LaunchConfig, choose_config, dedup_wanted
+from msa.backends.triton.config import LaunchConfig, choose_config, dedup_supported, dedup_wanted
 from msa.backends.triton.launch import LaunchMemo, Workspace, step_launches
 from msa.launcher import direct_launch_enabled
 from msa.planning import RowMetadata, StepTables
@@ -66,7 +66,22 @@ class TritonBackend(Backend[TritonPlan]):
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
         """The launch configuration for `problem`. `MSA_TRITON_DEDUP=1` / `0` forces the dedup /
         per-token strategy for multi-token steps (constructor overrides win)."""
-        sm_count = detect(device).sm_count
+        return self._config(problem, detect(device).sm_count)
+
+    def strategy(self, problem: DecodeProblem, platform: Platform) -> str | None:
+        config = self._config(problem, platform.sm_count)
+        if config.dedup:
+            kernel = f"the dedup kernel ({config.tokens} tokens of a request per program, each page read once)"
+        else:
+            kernel = "the per-token kernel"
+            if problem.query_len > 1 and problem.dcp_size > 1 and dedup_supported(
+                    problem.geometry, problem.layout, problem.query_len):
+                kernel += f" (not dedup: a rank of {problem.dcp_size} holds a share of each selection)"
+        merge = ("one pass" if config.num_splits == 1 else
+                 f"{config.num_splits} splits merged {'in the kernel' if config.in_kernel_merge else 'by a kernel'}")
+        return f"{kernel}, {merge}, {config.block_n}-token tiles"
+
+    def _config(self, problem: DecodeProblem, sm_count: int) -> LaunchConfig:
         overrides = dict(self.config_overrides)
         wanted = dedup_wanted()
         if wanted is not None and "dedup" not in overrides:
