@@ -53,14 +53,13 @@ def pools_as_pages(
     copy, one `as_strided` each; slots past the last whole page are not addressable)."""
     views = []
     for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, pool)
-        if pool.dim() != 3 or pool.stride(-1) != 1:
+        strides = check_tensor(name, pool).stride()
+        if len(strides) != 3 or strides[2] != 1:
             expected = "a [slots, Hkv, D] token pool with unit last stride"
-            raise MSAInputError(name, expected, f"shape {tuple(pool.shape)}")
+            raise MSAInputError(name, expected, f"shape {tuple(pool.shape)}, strides {strides}")
         slots, heads, dim = pool.shape
-        token, head = pool.stride(0), pool.stride(1)
         views.append(pool.as_strided((slots // block_size, heads, block_size, dim),
-                                     (block_size * token, head, token, 1)))
+                                     (block_size * strides[0], strides[1], strides[0], 1)))
     return views[0], views[1]
 
 
@@ -72,29 +71,42 @@ def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block
 
 
 def step_tables(
-    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    req_to_token: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """msa's `(block_table, seq_lens)` for a step on SGLang's structures: the table `[B,
     ceil(max_context / block_size)]` (the page of each block a request's length reaches, -1
     beyond) and the lengths clamped to `max_context`, 0 for a row whose `slot_ids` entry is not a
-    row of `req_to_token`.
+    row of `req_to_token`. `device`: where they must be (q's), when given.
 
     One kernel launch on a GPU, launched directly after the first call of a shape, reading one
     slot per visible block; torch ops over whole rows elsewhere. The layers of a step share it:
     called again, on the same thread and stream, with the very tensors of the previous call,
     unchanged through torch since (their version counters; under `torch.inference_mode()`,
     where torch keeps none, the same objects — SGLang passes each batch's as new tensors), it
-    returns the previous call's tables, which msa's own step-sharing then reuses too."""
-    device = req_to_token.device
-    key = (current_stream_key(device.index if device.type == "cuda" else -1), block_size)
-    tensors = (req_to_token, slot_ids, seq_lens)
+    returns the previous call's tables (checked then), which msa's own step-sharing reuses too.
+
+    Raises:
+        MSAInputError: a tensor that is not one, is on another device, or has the wrong rank.
+    """
     last = getattr(_LOCAL, "step", None)
-    if (last is not None and last[1] == key and all(a is b for a, b in zip(last[0], tensors, strict=True))
-            and last[2] == tensor_versions(*tensors)):
-        shared: tuple[torch.Tensor, torch.Tensor] = last[3]
-        return shared
+    if last is not None and last[0] is req_to_token and last[1] is slot_ids and last[2] is seq_lens:
+        where = req_to_token.device
+        if (last[3] == (current_stream_key(where.index if where.type == "cuda" else -1), block_size, device)
+                and last[4] == tensor_versions(req_to_token, slot_ids, seq_lens)):
+            shared: tuple[torch.Tensor, torch.Tensor] = last[5]
+            return shared
+    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("slot_ids", slot_ids)):
+        check_tensor(name, t, device)
+    if req_to_token.dim() != 2:
+        raise MSAInputError("req_to_token", "[max_reqs, max_context]", f"shape {tuple(req_to_token.shape)}")
+    if seq_lens.dim() != 1 or slot_ids.shape != seq_lens.shape:
+        raise MSAInputError("slot_ids / seq_lens", "two [B] tensors", f"shapes {tuple(slot_ids.shape)} / "
+                            f"{tuple(seq_lens.shape)}")
+    where = req_to_token.device
+    key = (current_stream_key(where.index if where.type == "cuda" else -1), block_size, device)
     tables = _tables(req_to_token, slot_ids, seq_lens, block_size)
-    _LOCAL.step = (tensors, key, tensor_versions(*tensors), tables)
+    _LOCAL.step = (req_to_token, slot_ids, seq_lens, key, tensor_versions(req_to_token, slot_ids, seq_lens), tables)
     return tables
 
 
@@ -128,7 +140,8 @@ def _tables(
 
 #: The table kernel's launchers, per call signature (integer arguments, dtypes, device).
 _KERNELS: dict[tuple[object, ...], DirectKernel] = {}
-#: This thread's last step: (tensors, (stream, block size), their versions, (table, lens)).
+#: This thread's last step: (req_to_token, slot_ids, seq_lens, (stream, block size, device), their
+#: versions, (table, lens)).
 _LOCAL = threading.local()
 
 
@@ -172,14 +185,7 @@ def flash_decode_with_gqa_share_sparse(
             f"page_size: msa reads each sparse block as {block_size} consecutive slots, so SGLang's pages must "
             f"be a positive multiple of block_size={block_size} (--page-size); got {page_size!r}"
         )
-    for name, t in (("req_to_token", req_to_token), ("seq_lens", seq_lens), ("slot_ids", slot_ids)):
-        check_tensor(name, t, q.device)
-    if req_to_token.dim() != 2:
-        raise MSAInputError("req_to_token", "[max_reqs, max_context]", f"shape {tuple(req_to_token.shape)}")
-    if seq_lens.dim() != 1 or slot_ids.shape != seq_lens.shape:
-        raise MSAInputError("slot_ids / seq_lens", "two [B] tensors", f"shapes {tuple(slot_ids.shape)} / "
-                            f"{tuple(seq_lens.shape)}")
-    table, lens = step_tables(req_to_token, slot_ids, seq_lens, block_size)
+    table, lens = step_tables(req_to_token, slot_ids, seq_lens, block_size, q.device)
     out = sparse_decode(
         q,
         pools_as_pages(k_cache, v_cache, block_size),
