@@ -122,3 +122,26 @@ def test_fuzz_triton(params: dict[str, Any], seed: int, splits: int | None, dedu
     rtol = 2.0**-7 if INTERPRET and out.dtype == torch.bfloat16 else None
     assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"triton [{hostile} splits={splits} dedup={dedup}]",
                           atol=0.0 if INTERPRET else gpu_atol(hostile.kwargs), rtol=rtol)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU form of the gate's repeated calls (tests/gpu_check.py runs them on a GPU)")
+@FUZZ
+@given(params=step_params(max_batch=2), seed=SEEDS)
+def test_fuzz_repeated_calls_on_the_direct_path(params: dict[str, Any], seed: int) -> None:
+    """Each hostile step (ragged row counts among them) through `msa.sparse_decode` on the Triton
+    backend twice: the second call takes the remembered signature and the direct launcher's
+    binding (forced on: the interpreter never takes it by itself). Both equal the float64 loop."""
+    import msa.backends.triton as triton_backend
+
+    hostile = make_hostile(params, seed)
+    note(str(hostile))
+    original = triton_backend.direct_launch_enabled
+    triton_backend.direct_launch_enabled = lambda: True  # type: ignore[assignment]
+    try:
+        for call in range(2):
+            out, lse = _outputs(hostile)
+            msa.sparse_decode(**hostile.kwargs, backend="triton", out=out, lse=lse)
+            rtol = 2.0**-7 if out.dtype == torch.bfloat16 else None
+            assert_close_to_naive(hostile, out, lse, where=f"triton call {call + 1} [{hostile}]", rtol=rtol)
+    finally:
+        triton_backend.direct_launch_enabled = original
