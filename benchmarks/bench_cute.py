@@ -61,6 +61,15 @@ CASES = (
               torch.float16, True),
     CheckCase(Geometry(num_q_heads=40, num_kv_heads=2, head_dim=128, page_size=128, topk=20), 2, 1, 5000,
               torch.bfloat16, True),
+    # fp8 steps of the wgmma kernel: f16 q (three fp8 terms), 8/1 heads (N = 8), a group of 20
+    # (two chunks, the second partly empty), 64-token pages, L = 4 with partly visible pages
+    CheckCase(M3, 3, 1, 2000, torch.float16, True, "fp8_e4m3"),
+    CheckCase(msa.MINIMAX_M3_TP[8], 4, 1, 9000, torch.bfloat16, True, "fp8_e4m3"),
+    CheckCase(msa.MINIMAX_M3_TP[8], 2, 4, 700, torch.float8_e4m3fn, False, "fp8_e4m3"),
+    CheckCase(Geometry(num_q_heads=40, num_kv_heads=2, head_dim=128, page_size=128, topk=20), 2, 2, 5000,
+              torch.bfloat16, True, "fp8_e4m3"),
+    CheckCase(Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=64, topk=16), 3, 2, 1500,
+              torch.bfloat16, True, "fp8_e4m3"),
 )
 
 
@@ -103,7 +112,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="JSON CuteBackend options to time as one more variant (repeatable)")
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--tp", default="1", help="M3 tensor-parallel head layouts to time (1: 64/4 ... 8: 8/1)")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
     t0 = time.time()
@@ -117,24 +128,28 @@ def main() -> None:
     for flag, option in OPTION_FLAGS:  # one variant per value of each option flag
         variants += [(f"cute {flag}={v}", {option: int(v)}) for v in getattr(args, flag).split(",") if v]
     variants += [(f"cute {v}", json.loads(v)) for v in args.variant]
-    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen):
+    cases = ((tp, *case) for tp in map(int, args.tp.split(","))
+             for case in m3_cases(args.layouts.split(","), batches, gen, geometry=msa.MINIMAX_M3_TP[tp]))
+    for tp, layout, batch, case in cases:
         n_bytes = case[0]
-        backends = [("triton", TritonBackend()), *((name, CuteBackend(**kw)) for name, kw in variants)]
+        backends = [*(() if args.no_triton else [("triton", TritonBackend())]),
+                    *((name, CuteBackend(**kw)) for name, kw in variants)]
         for name, backend in backends:
-            timed = try_check_and_time(f"{layout} B={batch} {name}", backend, case, timer)
+            timed = try_check_and_time(f"TP{tp} {layout} B={batch} {name}", backend, case, timer)
             if timed is None:
                 continue
             plan, err, us = timed
             splits = plan.config.num_splits
-            rows.append(dict(layout=layout, batch=batch, variant=name, us=us,
+            kernel = getattr(plan.config, "kernel", "")
+            rows.append(dict(tp=tp, layout=layout, batch=batch, variant=name, kernel=kernel, us=us,
                              frac_copy=n_bytes / us / 1e3 / copy, err=err, splits=splits))
-            print(f"{layout:8s} B={batch:3d} {name:16s} splits {splits:2d} {us:8.1f} us "
+            print(f"TP{tp} {layout:8s} B={batch:3d} {name:16s} {kernel:5s} splits {splits:2d} {us:8.1f} us "
                   f"{n_bytes / us / 1e3 / copy:.2f} err {err:.1e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_cute.json").write_text(json.dumps(dict(copy_gbps=copy, checks=checks, rows=rows), indent=1))
     print(f"copy bandwidth {copy:.0f} GB/s; checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")
-    print(format_table(["layout", "B", "variant", "splits", "us", "x copy", "err"],
-                       [[r["layout"], r["batch"], r["variant"], r["splits"], round(r["us"], 1),
+    print(format_table(["TP", "layout", "B", "variant", "kernel", "splits", "us", "x copy", "err"],
+                       [[r["tp"], r["layout"], r["batch"], r["variant"], r["kernel"], r["splits"], round(r["us"], 1),
                          round(r["frac_copy"], 2), f"{r['err']:.1e}"] for r in rows]))
 
 

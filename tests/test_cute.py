@@ -28,11 +28,17 @@ from msa.backends.cute.config import (
     DEFAULT_MIN_CTAS,
     HOST_ARG_KINDS,
     VERIFIED_DSL_VERSIONS,
+    WGMMA_CTAS_PER_SM,
     WIDE_MIN_CTAS,
     choose_min_ctas,
     choose_splits,
+    choose_wgmma_splits,
     programs,
+    wgmma_heads,
+    wgmma_programs,
+    wgmma_serves,
 )
+from msa.errors import MSAInputError
 from msa.planning import StepTables
 from msa.platform import Platform, package_installed
 from msa.problem import DecodeProblem, Geometry
@@ -65,6 +71,47 @@ def test_splits_fill_the_slots_once_and_keep_warps_busy(batch: int, sms: int) ->
     assert 1 <= splits <= g.topk * g.page_size // (4 * 16 * 4)
     if splits > 1:  # more splits only while one wave of CTAs still fits
         assert programs(problem) * splits <= CTAS_PER_SM * sms
+
+
+def _fp8(batch: int, geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
+    return attrs.evolve(_problem(batch, geometry=geometry), kv_layout="fp8_e4m3")
+
+
+def test_the_wgmma_kernel_serves_fp8_on_sm90_with_pages_of_64_tokens() -> None:
+    assert wgmma_serves(_fp8(8), (9, 0)) is None
+    assert "sm_90a" in (wgmma_serves(_fp8(8), (10, 0)) or "")
+    assert "sm_90a" in (wgmma_serves(_fp8(8), None) or "")
+    assert "fp8" in (wgmma_serves(_problem(8), (9, 0)) or "")
+    small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
+    assert "page size 32" in (wgmma_serves(_fp8(8, small_pages), (9, 0)) or "")
+    backend = CuteBackend()
+    assert backend.kernel_for(_fp8(8), _hopper()) == "wgmma"
+    assert backend.kernel_for(_problem(8), _hopper()) == "mma"
+    assert backend.kernel_for(_fp8(8, small_pages), _hopper()) == "mma"
+    assert CuteBackend(kernel="mma").kernel_for(_fp8(8), _hopper()) == "mma"
+
+
+def test_the_kernel_option_is_checked() -> None:
+    with pytest.raises(MSAInputError, match=r"^kernel: expected one of 'mma', 'wgmma', got 'tma'"):
+        CuteBackend(kernel="tma")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_wgmma_heads_follow_the_gqa_group(tp: int) -> None:
+    g = msa.MINIMAX_M3_TP[tp]
+    assert wgmma_heads(g.group_size) == (8 if g.group_size <= 8 else 16)
+    assert wgmma_programs(_fp8(3, g)) == 3 * g.num_kv_heads * -(-g.group_size // wgmma_heads(g.group_size))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8, 33, 64, 256, 1000])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_wgmma_splits_fill_the_slots_once_and_keep_four_tiles(batch: int, sms: int) -> None:
+    problem = _fp8(batch)
+    splits = choose_wgmma_splits(problem, sms)
+    g = problem.geometry
+    assert 1 <= splits <= g.topk * g.page_size // 64 // 4
+    if splits > 1:
+        assert wgmma_programs(problem) * splits <= WGMMA_CTAS_PER_SM * sms
 
 
 def test_measured_choices() -> None:
@@ -153,6 +200,38 @@ def test_cute_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any],
                           atol=gpu_atol(hostile.kwargs))
 
 
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
+                                 reason="needs nvidia-cutlass-dsl and a GPU of compute capability 9.x (sm_90a)")
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@GPU_FUZZ
+@given(params=step_params(max_batch=4, layouts=("fp8_e4m3",), head_dim=128, groups=(1, 3, 8, 16, 20),
+                          pages=(64, 128), max_topk=32, max_blocks=6),
+       seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2, 4]),
+       lse_wanted=st.booleans())
+def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
+                                                                  splits: int | None, stages: int | None,
+                                                                  lse_wanted: bool) -> None:
+    """The TMA + WGMMA kernel on hostile fp8 steps: NaN in every byte the contract never reads
+    (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows)."""
+    hostile = make_hostile(params, seed)
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted}")
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma")
+    assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
+    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
+    backend.run_step(problem, inputs, out, lse if lse_wanted else None)
+    if not lse_wanted:
+        lse = msa.sparse_decode(**hostile.kwargs, backend="reference", return_lse=True)[1]
+    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma [{hostile} splits={splits}]",
+                          atol=gpu_atol(hostile.kwargs))
+
+
 @pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("batch", [8, 64])
@@ -233,6 +312,23 @@ def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> Non
     assert not fastcall.packing_matches(compiled_host, tuple(float_as_int))
     assert not fastcall.packing_matches(compiled_host, HOST_ARG_KINDS[:-1])
     assert not fastcall.packing_matches(object(), HOST_ARG_KINDS)
+
+
+@needs_dsl
+@pytest.mark.parametrize(("q_kind", "nc", "final", "fused", "stages"),
+                         [("bf16", 16, True, False, 3), ("f16", 8, False, True, 2), ("e4m3", 16, False, False, 4)])
+def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(q_kind: str, nc: int, final: bool, fused: bool,
+                                                                      stages: int) -> None:
+    """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
+    the host argument list `fastcall` packs (the GPU tests run it)."""
+    import cutlass.cute as cute
+
+    from msa.backends.cute.kernel import compile_args
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    spec = Sm90Spec(128, q_kind, "bf16", final, not final, nc, stages, fused)
+    fn = cute.compile(build_sm90(spec), *compile_args(), options="--gpu-arch sm_90a")
+    assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
 
 
 @needs_dsl

@@ -27,15 +27,21 @@ from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     DEFAULT_QK_CHAINS,
     DEFAULT_STAGES,
+    KERNELS,
     KINDS,
     VERIFIED_DSL_VERSIONS,
+    WGMMA_FUSED_MERGE,
+    WGMMA_STAGES,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
+    choose_wgmma_splits,
     max_stages,
     programs,
+    wgmma_serves,
 )
 from msa.backends.triton.config import dedup_wanted, uses_dedup
+from msa.errors import MSAInputError
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -84,7 +90,11 @@ class CuteBackend(Backend[CutePlan]):
     )
 
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
-                 min_ctas: int | None = None) -> None:
+                 min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None) -> None:
+        if kernel is not None and kernel not in KERNELS:
+            raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
+        self.kernel = kernel
+        self.fused = fused
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -118,8 +128,19 @@ class CuteBackend(Backend[CutePlan]):
             reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
         return reasons
 
+    def kernel_for(self, problem: DecodeProblem, platform: Platform) -> str:
+        """The kernel a step takes: the one requested, else "wgmma" wherever it serves."""
+        if self.kernel is not None:
+            return self.kernel
+        return "wgmma" if wgmma_serves(problem, platform.capability) is None else "mma"
+
     def config_for(self, problem: DecodeProblem, device: torch.device) -> CuteConfig:
-        sm_count = detect(device).sm_count
+        platform = detect(device)
+        sm_count = platform.sm_count
+        if self.kernel_for(problem, platform) == "wgmma":
+            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count),
+                              stages=self.stages or WGMMA_STAGES, kernel="wgmma",
+                              fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused)
         splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,

@@ -10,7 +10,8 @@ from msa.problem import DecodeProblem
 __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
-    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS",
+    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
+    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "wgmma_serves", "wgmma_heads", "wgmma_programs", "choose_wgmma_splits",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -50,20 +51,39 @@ VERIFIED_DSL_VERSIONS = frozenset({"4.8.1"})
 _MIN_STEPS_PER_WARP = 4
 
 
+#: The backend's kernels: "mma" (`kernel.py`: `mma.sync`, each thread decoding its operands in
+#: registers; NVFP4 and fp8, any page size of a multiple of 16) and "wgmma" (`sm90.py`: TMA ring
+#: and WGMMA; fp8 on compute capability 9.x, pages of a multiple of 64 tokens).
+KERNELS = ("mma", "wgmma")
+#: 64-token tiles in the wgmma kernel's shared-memory ring (16 KiB each for fp8).
+WGMMA_STAGES = 3
+#: CTAs of the wgmma kernel that fit on one SM (~70 KiB of shared memory each at 3 stages).
+WGMMA_CTAS_PER_SM = 3
+#: The wgmma kernel merges its splits itself (the last split of a program to finish).
+WGMMA_FUSED_MERGE = True
+#: Each split of the wgmma kernel walks at least this many 64-token tiles.
+_WGMMA_MIN_TILES = 4
+
+
 @attrs.frozen
 class CuteConfig:
     """Attributes:
-    num_splits: CTAs per (row, KV head, 16 query heads); 1 writes the output directly,
+    num_splits: CTAs per (row, KV head, chunk of query heads); 1 writes the output directly,
         more write partials that the merge combines.
-    stages: 16-token steps each warp has in flight.
-    qk_chains: independent accumulator chains of the score mma k-steps.
-    min_ctas: CTAs per SM the registers must allow (0: ptxas decides).
+    stages: 16-token steps each warp has in flight ("mma"), 64-token tiles of the ring ("wgmma").
+    qk_chains: independent accumulator chains of the score mma k-steps ("mma").
+    min_ctas: CTAs per SM the registers must allow (0: ptxas decides; "mma").
+    kernel: "mma" or "wgmma" (`KERNELS`).
+    fused: several splits are merged by the last one to finish, inside the kernel ("wgmma"),
+        instead of by the Triton merge kernel after it.
     """
 
     num_splits: int
     stages: int = DEFAULT_STAGES
     qk_chains: int = DEFAULT_QK_CHAINS
     min_ctas: int = DEFAULT_MIN_CTAS
+    kernel: str = "mma"
+    fused: bool = False
 
 
 def max_stages(kind: str) -> int:
@@ -91,3 +111,34 @@ def choose_min_ctas(problem: DecodeProblem, sm_count: int, splits: int) -> int:
     `DEFAULT_MIN_CTAS`: more warps per SM pay only where they find work."""
     many = programs(problem) * splits > CTAS_PER_SM * sm_count
     return WIDE_MIN_CTAS if many else DEFAULT_MIN_CTAS
+
+
+def wgmma_serves(problem: DecodeProblem, capability: tuple[int, int] | None) -> str | None:
+    """Why the wgmma kernel cannot serve `problem` on a GPU of `capability`, or None."""
+    if problem.kv_layout != "fp8_e4m3":
+        return f"the wgmma kernel reads fp8 caches, not {problem.kv_layout}"
+    if capability is None or capability[0] != 9:
+        return "the wgmma kernel is compiled for sm_90a (compute capability 9.x)"
+    if problem.geometry.page_size % 64:
+        return f"the wgmma kernel walks 64-token tiles; page size {problem.geometry.page_size} is not a multiple of 64"
+    return None
+
+
+def wgmma_heads(group: int) -> int:
+    """Query heads per CTA of the wgmma kernel (its products' N): 8 for GQA groups up to 8, else 16."""
+    return 8 if group <= 8 else 16
+
+
+def wgmma_programs(problem: DecodeProblem) -> int:
+    """(row, KV head, chunk of query heads) programs of a step in the wgmma kernel."""
+    g = problem.geometry
+    heads = wgmma_heads(g.group_size)
+    return problem.num_rows * g.num_kv_heads * -(-g.group_size // heads)
+
+
+def choose_wgmma_splits(problem: DecodeProblem, sm_count: int) -> int:
+    """Splits that fill the SMs' CTA slots once at most, each split keeping at least 4 tiles."""
+    g = problem.geometry
+    tiles = g.topk * g.page_size // 64
+    most = max(1, tiles // _WGMMA_MIN_TILES)
+    return max(1, min(most, WGMMA_CTAS_PER_SM * sm_count // max(wgmma_programs(problem), 1)))

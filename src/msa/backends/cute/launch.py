@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from msa.backends.cute.config import HOST_ARG_KINDS, KINDS, CuteConfig
+from msa.backends.cute.config import HOST_ARG_KINDS, KINDS, CuteConfig, wgmma_heads, wgmma_programs
 from msa.backends.cute.fastcall import PackedCall, packing_matches
 from msa.backends.triton.kernels import LOG2E, merge_kernel
 from msa.errors import MSAInputError
@@ -33,21 +33,31 @@ _compiled: dict[tuple[Any, tuple[int, int]], PackedCall] = {}
 
 
 class CuteWorkspace:
-    """What a plan owns: split partials `[B*L*Hq*S, D]` / `[B*L*Hq*S, 2]` (fp32) and a 1.0 the
+    """What a plan owns: split partials `[B*L*Hq*S, D]` / `[B*L*Hq*S, 2]` (fp32), followed (for a
+    kernel that merges its splits itself) by one zeroed int32 counter per program, and a 1.0 the
     kernel reads for every scale the caller gives as a float."""
 
     def __init__(self, problem: DecodeProblem, config: CuteConfig, device: torch.device) -> None:
         rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits if config.num_splits > 1 else 0
         self.partial_out = torch.empty((max(rows, 1), problem.geometry.head_dim), dtype=torch.float32, device=device)
-        self.partial_ml = torch.empty((max(rows, 1), 2), dtype=torch.float32, device=device)
+        counters = wgmma_programs(problem) if config.fused and config.num_splits > 1 else 0
+        self._ml = torch.zeros(max(rows, 1) * 2 + counters, dtype=torch.float32, device=device)
+        self.partial_ml = self._ml[:max(rows, 1) * 2].view(max(rows, 1), 2)
         self.one = torch.ones(1, dtype=torch.float32, device=device)
 
 
 def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype, with_lse: bool) -> Any:
-    """The `KernelSpec` of a step (imports the DSL)."""
+    """The `KernelSpec` (or, for the wgmma kernel, `Sm90Spec`) of a step (imports the DSL)."""
+    g = problem.geometry
+    if config.kernel == "wgmma":
+        from msa.backends.cute.sm90 import Sm90Spec
+
+        fused = config.fused and config.num_splits > 1
+        return Sm90Spec(g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
+                        with_lse and (config.num_splits == 1 or fused), wgmma_heads(g.group_size), config.stages,
+                        fused)
     from msa.backends.cute.kernel import KernelSpec
 
-    g = problem.geometry
     return KernelSpec(KINDS[problem.kv_layout], g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
                       config.num_splits == 1,
                       with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains, config.min_ctas)
@@ -75,8 +85,9 @@ def compiled_kernel(spec: Any, capability: tuple[int, int]) -> PackedCall:
             import cutlass.cute as cute
 
             from msa.backends.cute.kernel import build, compile_args
+            from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
-            fn = cute.compile(build(spec), *compile_args())
+            fn = cute.compile(build_sm90(spec) if isinstance(spec, Sm90Spec) else build(spec), *compile_args())
             call = _compiled[(spec, capability)] = PackedCall(fn, HOST_ARG_KINDS, packing_matches(fn, HOST_ARG_KINDS))
     return call
 
@@ -129,7 +140,7 @@ def launch_cute(
        stride_vt, topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
        lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
        problem.num_rows, _stream(out.device))
-    if config.num_splits > 1:
+    if config.num_splits > 1 and not (config.kernel == "wgmma" and config.fused):
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,

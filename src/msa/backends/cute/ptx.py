@@ -277,3 +277,64 @@ def any(pred: Any) -> Any:
     """1 when `pred` is not 0 in any lane of the warp."""
     return Int32(_asm(1, T.i32, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff;"
                                         " selp.b32 $0, 1, 0, q;}", "=r,r", pred, side=True)[0])
+
+
+# -- the Hopper kernel's query split and warp scans -------------------------------------------
+
+def f32_of_bits(x: Any) -> Float32:
+    """The float whose bits are `x`."""
+    return Float32(_asm(1, T.f32, "mov.b32 $0, $1;", "=f,r", x)[0])
+
+
+def f16x2_to_f32(word: Any) -> tuple[Float32, Float32]:
+    """Two f16 (low half first) as floats (exact)."""
+    lo, hi = _asm(2, T.f32, "{.reg .b16 x, y; mov.b32 {x, y}, $2; cvt.f32.f16 $0, x; cvt.f32.f16 $1, y;}",
+                  "=f,=f,r", word)
+    return Float32(lo), Float32(hi)
+
+
+def e4m3x4_to_f32(word: Any) -> list[Float32]:
+    """Four E4M3 bytes (byte 0 first) as floats (exact)."""
+    vals = _asm(4, T.f32, "{.reg .b16 x, y, a, b, c, d; .reg .b32 p, q; mov.b32 {x, y}, $4;"
+                          " cvt.rn.f16x2.e4m3x2 p, x; cvt.rn.f16x2.e4m3x2 q, y; mov.b32 {a, b}, p; mov.b32 {c, d}, q;"
+                          " cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; cvt.f32.f16 $2, c; cvt.f32.f16 $3, d;}",
+                "=f,=f,=f,=f,r", word)
+    return [Float32(v) for v in vals]
+
+
+def pow2_scale(amax: Any) -> Float32:
+    """2^(7 - floor(log2 amax)) (so that amax times it lies in [128, 256)), clamped to a normal
+    float; 1 where amax is 0 or subnormal."""
+    return Float32(_asm(1, T.f32, "{.reg .b32 e, r; .reg .pred p; mov.b32 r, $1; shr.u32 e, r, 23;"
+                                  " and.b32 e, e, 255; setp.eq.u32 p, e, 0; neg.s32 e, e; add.s32 e, e, 261;"
+                                  " min.s32 e, e, 254; max.s32 e, e, 1; shl.b32 e, e, 23;"
+                                  " selp.b32 $0, 0x3f800000, e, p;}", "=f,f", amax)[0])
+
+
+def shfl_up_i32(x: Any, delta: int) -> Int32:
+    """`x` of lane `lane - delta` (a lane below `delta` gets its own)."""
+    return _i32(1, f"shfl.sync.up.b32 $0, $1, {delta}, 0, 0xffffffff;", "=r,r", x, side=True)[0]
+
+
+def shfl_idx_i32(x: Any, src: int) -> Int32:
+    """`x` of lane `src`."""
+    return _i32(1, f"shfl.sync.idx.b32 $0, $1, {src}, 0x1f, 0xffffffff;", "=r,r", x, side=True)[0]
+
+
+# -- split-K merged in the kernel -------------------------------------------------------------
+
+def fence_gpu() -> None:
+    """`fence.acq_rel.gpu`: this thread's earlier stores are visible GPU-wide before its later
+    ones (and its later loads see what a fenced writer stored before the count it read)."""
+    _asm(1, T.i32, "{fence.acq_rel.gpu; mov.b32 $0, 0;}", "=r", side=True)
+
+
+def atom_add_acq_rel(addr: Any, value: Any) -> Int32:
+    """`atom.acq_rel.gpu.global.add.u32`: the old value."""
+    return _i32(1, "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", addr, Int32(value), side=True)[0]
+
+
+def atom_add_relaxed(addr: Any, value: Any) -> None:
+    """`red.relaxed.gpu.global.add.u32` (no result)."""
+    _asm(1, T.i32, "{red.relaxed.gpu.global.add.u32 [$1], $2; mov.b32 $0, 0;}", "=r,l,r", addr, Int32(value),
+         side=True)

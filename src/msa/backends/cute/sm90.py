@@ -1,0 +1,532 @@
+"""The Hopper-native fp8 sparse-decode kernel (CuTe DSL; TMA + WGMMA; sm_90a). Import only where
+`nvidia-cutlass-dsl` is installed.
+
+A CTA of one warpgroup serves one (row, KV head, chunk of `nc` query heads, split). Its selected
+pages are walked as 64-token tiles:
+
+- **TMA ring.** Warp 0 keeps `stages - 1` tiles in flight: each tile is two TMA tile copies (its
+  64 keys and its 64 values, straight from the cache's `[page, head, token, dim]` strides) into a
+  128-byte-swizzled shared-memory stage, completed on the stage's `full` mbarrier; consumers
+  release a stage on its `empty` mbarrier.
+- **Scores on the tensor cores in fp8, exact for bf16 / f16 queries.** The keys are the A operand
+  (`wgmma` M = the tile's 64 tokens), the query heads the B operand (N = `nc`, the GQA group).
+  The query is split once per CTA into fp8 terms, `q * 2^e_h = t_0 + t_1 (+ t_2)` with a power of
+  two per head that puts its largest element in [128, 256): two fp8 terms hold a bf16 value
+  exactly (a third an f16 value), so the summed fp8 products equal the bf16/f16 product up to f32
+  accumulation (elements below 2^-9 of the head's largest lose their last bits). An fp8 query is
+  one term, as given.
+- **Softmax per head** (online, base 2) with the tile's exact maximum: each warp's column maxima
+  meet in shared memory behind one barrier. The accumulator is rescaled only when a head's
+  maximum moved. Tokens past the row's visible length score -inf and their values are zeroed
+  before the product (whatever bytes they hold).
+- **Values.** The fp8 value tile is converted to f16 into a second, MN-major operand buffer and
+  the probabilities are stored as f16: `O^T += V^T P^T` (`wgmma` M = head dim, N = `nc`), issued
+  asynchronously and overlapping the next tile's copy wait and scores.
+
+One split writes the normalised output (and LSE); several write the Triton backend's workspace
+partials, which its merge kernel combines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from msa.backends.cute import ptx
+
+__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS"]
+
+#: Tokens per tile (the score product's M, a TMA box's rows).
+TILE = 64
+#: fp8 terms of the query per query dtype (exact for bf16 with two, for f16 with three).
+Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
+_THREADS = 128
+_NEG_INF = float("-inf")
+
+
+@attrs.frozen
+class Sm90Spec:
+    """The compile-time constants of one kernel.
+
+    Attributes:
+        page_size: tokens per page (a multiple of 64).
+        q_kind / out_kind: "bf16", "f16" or "e4m3" (q) and "bf16" / "f16" (the output).
+        final: one split: the kernel writes the normalised output (else workspace partials).
+        write_lse: also write the natural-log LSE (with `final`).
+        nc: query heads per CTA, the products' N (8 or 16).
+        stages: tiles of the shared-memory ring.
+        fused: with several splits, the last split of a program to finish merges them all and
+            writes the output (and LSE) itself; the program counters are the int32 words after
+            the `rows * 2` floats of `part_ml` (zero; each merge takes its count back off).
+    """
+
+    page_size: int
+    q_kind: str
+    out_kind: str
+    final: bool
+    write_lse: bool
+    nc: int = 16
+    stages: int = 3
+    fused: bool = False
+
+
+def _flag(cond: Any) -> Any:
+    return cutlass.select_(cond, Int32(1), Int32(0))
+
+
+def _f32_of_bf16_pair(word: Any) -> tuple[Any, Any]:
+    """The two bf16 halves of a word as floats (low, high)."""
+    lo = ptx.f32_of_bits(word << 16)
+    hi = ptx.f32_of_bits(word & Int32(-65536))
+    return lo, hi
+
+
+def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
+    """The `@cute.jit` host function of `spec`'s kernel, with the argument list of the `cute`
+    backend's other kernel (`config.HOST_ARG_KINDS`)."""
+    D = 128
+    P = spec.page_size
+    if P % TILE:
+        raise ValueError(f"page size {P} is not a multiple of {TILE}")
+    HALVES = P // TILE
+    NC = spec.nc
+    ST = spec.stages
+    TERMS = Q_TERMS[spec.q_kind]
+    NTMAX = 32 * HALVES  # top-k <= 32 entries
+    EPT = NC * D // _THREADS  # q elements each thread splits
+    LPR = D // EPT  # threads per q row
+    Q_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}[spec.q_kind]
+    OROW = D + 4  # staged output row (floats), padded
+    final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
+    fp8 = cutlass.Float8E4M3FN
+    f16 = cutlass.Float16
+
+    built: dict[str, Any] = {}  # the shared-memory struct, made while tracing `host`
+
+    @cute.kernel
+    def kernel(tma_k: cute.CopyAtom, gK: cute.Tensor, tma_v: cute.CopyAtom, gV: cute.Tensor,
+               qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, kv_layout: cute.ComposedLayout,
+               vb_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout,
+               q: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
+               out: Int64, lse: Int64, part_o: Int64, part_ml: Int64,
+               sm_p: Int64, qs_p: Int64, ks_p: Int64, vs_p: Int64, qk_scale: Float32, v_scale: Float32,
+               num_pages: Int32, max_blocks: Int32, num_splits: Int32, stride_qr: Int64, stride_qh: Int64,
+               stride_th: Int64, stride_tr: Int64, stride_tk: Int64, stride_bt: Int64,
+               stride_or: Int64, stride_oh: Int64, stride_lr: Int64, stride_lh: Int64,
+               num_kv_heads: Int32, group: Int32, num_topk: Int32, num_rows: Int32, tx_bytes: Int32) -> None:
+        tid, _, _ = cute.arch.thread_idx()
+        pid, split, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tid % 32
+        chunks = (group + (NC - 1)) // NC
+        gc = pid % chunks
+        h = (pid // chunks) % num_kv_heads
+        r = pid // (chunks * num_kv_heads)
+
+        smem = SmemAllocator()
+        st = smem.allocate(built["storage"])
+        full = st.full.data_ptr()
+        empty = st.empty.data_ptr()
+        tile_page = st.tile_page.get_tensor(cute.make_layout(NTMAX))
+        tile_tok = st.tile_tok.get_tensor(cute.make_layout(NTMAX))
+        tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))
+        count = st.count.get_tensor(cute.make_layout(4))
+        colmax = st.colmax.get_tensor(cute.make_layout(2 * 4 * NC))
+        colscale = st.colscale.get_tensor(cute.make_layout(NC))
+        corr_s = st.corr.get_tensor(cute.make_layout(NC))
+        lsum = st.lsum.get_tensor(cute.make_layout(4 * NC))
+        mfin = st.mfin.get_tensor(cute.make_layout(NC))
+        sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
+        sK = st.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = st.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+
+        if warp == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(full + s, 1)
+                    cute.arch.mbarrier_init(empty + s, 1)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+        cute.arch.mbarrier_init_fence()
+
+        b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
+        n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
+        limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
+
+        # the row's tiles, compacted by warp 1 (lane e: entry e, its 1..HALVES tiles)
+        if warp == 1:
+            e = lane
+            e_ok = _flag(e < num_topk)
+            j = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr
+                                               + Int64(e) * stride_tk) * 4, e_ok))
+            used = e_ok * _flag(j >= 0) * _flag(j < limit)
+            page = ptx.ld_b32_plain(table + (b * stride_bt + j) * 4, used)
+            used = used * _flag(page >= 0) * _flag(page < num_pages)
+            tokens = Int32(ptx.min64(n - j * P, P)) * used
+            ntiles = (tokens + (TILE - 1)) // TILE
+            incl = ntiles
+            for sh in cutlass.range_constexpr(5):
+                other = ptx.shfl_up_i32(incl, 1 << sh)
+                if lane >= (1 << sh):
+                    incl = incl + other
+            first = incl - ntiles
+            for t in cutlass.range_constexpr(HALVES):
+                if t < ntiles:
+                    left = tokens - t * TILE
+                    if left > TILE:
+                        left = Int32(TILE)
+                    tile_page[first + t] = page
+                    tile_tok[first + t] = Int32(t * TILE)
+                    tile_vis[first + t] = left
+            total_tiles = ptx.shfl_idx_i32(incl, 31)
+            if lane == 0:
+                count[0] = total_tiles
+
+        # the scale factors: host floats times the tensor scales (a plan-owned 1.0 for a float one)
+        qk = qk_scale * ptx.ld_f32(sm_p, Int32(1)) * ptx.ld_f32(qs_p, Int32(1)) * ptx.ld_f32(ks_p, Int32(1))
+        vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
+
+        # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms
+        qr = tid // LPR
+        k0 = (tid % LPR) * EPT
+        q_ok = _flag(gc * NC + qr < group)
+        qbase = q + (Int64(r) * stride_qr + Int64(h * group + gc * NC + qr) * stride_qh + k0) * Q_BYTES
+        xs = cute.make_rmem_tensor(cute.make_layout(EPT), Float32)
+        for w in cutlass.range_constexpr(EPT * Q_BYTES // 4):
+            word = ptx.ld_b32_plain(qbase + 4 * w, q_ok)
+            if cutlass.const_expr(q_kind == "bf16"):
+                lo, hi = _f32_of_bf16_pair(word)
+                xs[2 * w] = lo
+                xs[2 * w + 1] = hi
+            elif cutlass.const_expr(q_kind == "f16"):
+                lo, hi = ptx.f16x2_to_f32(word)
+                xs[2 * w] = lo
+                xs[2 * w + 1] = hi
+            else:
+                vals = ptx.e4m3x4_to_f32(word)
+                for i in cutlass.range_constexpr(4):
+                    xs[4 * w + i] = vals[i]
+        scale = Float32(1.0)
+        if cutlass.const_expr(TERMS > 1):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(EPT):
+                amax = ptx.fmax(amax, ptx.fmax(xs[i], -xs[i]))
+            for sh in cutlass.range_constexpr(LPR.bit_length() - 1):
+                amax = ptx.fmax(amax, ptx.shfl_xor(amax, 1 << sh))
+            scale = ptx.pow2_scale(amax)  # 2^(7 - floor(log2 amax)), 1 for 0
+            for i in cutlass.range_constexpr(EPT):
+                xs[i] = xs[i] * scale
+        sQ_rows = cute.make_tensor(sQ.iterator, sQ.layout)
+        for t in cutlass.range_constexpr(TERMS):
+            term = cute.make_rmem_tensor(cute.make_layout(EPT), fp8)
+            term.store(xs.load().to(fp8))
+            if cutlass.const_expr(t + 1 < TERMS):
+                xs.store(xs.load() - term.load().to(Float32))
+            for i in cutlass.range_constexpr(EPT):
+                sQ_rows[qr, k0 + i, t] = term[i]
+        if tid % LPR == 0:
+            colscale[qr] = qk / scale
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier()
+
+        total = count[0]
+        t0 = (split * total) // num_splits
+        nloc = ((split + 1) * total) // num_splits - t0
+
+        # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
+        gKt = cute.flat_divide(gK, (TILE, D))[None, None, None, 0, None, None]
+        gVt = cute.flat_divide(gV, (TILE, D))[None, None, None, 0, None, None]
+        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gKt, 0, 2))
+        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gVt, 0, 2))
+
+        if warp == 0:
+            for s in cutlass.range_constexpr(ST - 1):
+                if s < nloc:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + s, tx_bytes)
+                    half = tile_tok[t0 + s] // TILE
+                    pg = tile_page[t0 + s]
+                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, s)], tma_bar_ptr=full + s)
+                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, s)], tma_bar_ptr=full + s)
+
+        qk_thr = qk_mma.get_slice(tid)
+        pv_thr = pv_mma.get_slice(tid)
+        tSrK = qk_mma.make_fragment_A(qk_thr.partition_A(sK))
+        tSrQ = qk_mma.make_fragment_B(qk_thr.partition_B(sQ))
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE, NC)))
+        accS = cute.make_rmem_tensor(tScS.shape, Float32)
+        tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, 0)]
+        tOrP = pv_mma.make_fragment_B(pv_thr.partition_B(sP))[(None, None, None, 0)]
+        tOcO = pv_thr.partition_C(cute.make_identity_tensor((D, NC)))
+        accO = cute.make_rmem_tensor(tOcO.shape, Float32)
+        accO.fill(0.0)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        NKQ = cute.size(tSrK, mode=[2])
+        NS = cute.size(accS)
+        NO = cute.size(accO)
+
+        # fp8 value tile -> f16 operand: 8 elements (one token, 8 dims) per copy
+        cvt_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), fp8, num_bits_per_copy=64)
+        cvt = cute.make_tiled_copy_tv(cvt_atom, cute.make_ordered_layout((_THREADS // (D // 8), D // 8), order=(1, 0)),
+                                      cute.make_layout((1, 8)))
+        cvt_thr = cvt.get_slice(tid)
+        sVb_td = cute.make_tensor(sVb[None, None, 0].iterator, cute.select(sVb[None, None, 0].layout, mode=[1, 0]))
+        sP_kh = cute.make_tensor(sP[None, None, 0].iterator, cute.select(sP[None, None, 0].layout, mode=[1, 0]))
+        vdst = cvt_thr.partition_D(sVb_td)
+        vcoord = cvt_thr.partition_S(cute.make_identity_tensor((TILE, D)))
+
+        cs = cute.make_rmem_tensor(cute.make_layout(NS), Float32)  # the column scale of each score
+        mrun = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
+        lrun = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
+        for e in cutlass.range_constexpr(NS):
+            cs[e] = colscale[tScS[e][1]]
+            mrun[e] = Float32(_NEG_INF)
+            lrun[e] = Float32(0.0)
+        sv = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
+
+        for u in cutlass.range(nloc, unroll=1):
+            stage = u % ST
+            if warp == 0:
+                lu = u + ST - 1
+                if lu < nloc:
+                    ls = lu % ST
+                    cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + ls, tx_bytes)
+                    half = tile_tok[t0 + lu] // TILE
+                    pg = tile_page[t0 + lu]
+                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, ls)], tma_bar_ptr=full + ls)
+                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, ls)], tma_bar_ptr=full + ls)
+            cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
+
+            # scores: S^T = K . (sum of the q terms)^T
+            warpgroup.fence()
+            for t in cutlass.range_constexpr(TERMS):
+                for kk in cutlass.range_constexpr(NKQ):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, t + kk > 0)
+                    cute.gemm(qk_mma, accS, tSrK[(None, None, kk, stage)], tSrQ[(None, None, kk, t)], accS)
+            warpgroup.commit_group()
+
+            vsrc = cvt_thr.partition_S(sV[None, None, stage])
+            NCV = cute.size(vsrc, mode=[1])
+            VW = cute.size(vsrc, mode=[0])
+            v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
+            for c in cutlass.range_constexpr(NCV):
+                cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
+            vis = tile_vis[t0 + u]
+            warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+
+            vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
+            for c in cutlass.range_constexpr(NCV):
+                vh.store(v8[(None, c)].load().to(f16))
+                if vis < TILE:  # the row ends inside this tile: zero the values past it
+                    for i in cutlass.range_constexpr(VW):
+                        if vcoord[i, c, 0][0] >= vis:
+                            vh[i] = f16(0.0)
+                cute.autovec_copy(vh, vdst[None, c, 0])
+
+            # scaled, masked scores and this warp's column maxima (elements e, e + 2 share a column)
+            for e in cutlass.range_constexpr(NS):
+                x = accS[e] * cs[e]
+                if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
+                    if tScS[e][0] >= vis:
+                        x = Float32(_NEG_INF)
+                sv[e] = x
+            buf = (u % 2) * 4 * NC
+            for e4 in cutlass.range_constexpr(NS // 4):
+                for b2 in cutlass.range_constexpr(2):
+                    e = 4 * e4 + b2
+                    m = ptx.fmax(sv[e], sv[e + 2])
+                    m = ptx.fmax(m, ptx.shfl_xor(m, 4))
+                    m = ptx.fmax(m, ptx.shfl_xor(m, 8))
+                    m = ptx.fmax(m, ptx.shfl_xor(m, 16))
+                    if lane < 4:
+                        colmax[buf + warp * NC + tScS[e][1]] = m
+            cute.arch.barrier()
+
+            moved = Int32(0)
+            for e in cutlass.range_constexpr(NS):
+                col = tScS[e][1]
+                tmax = ptx.fmax(ptx.fmax(colmax[buf + col], colmax[buf + NC + col]),
+                                ptx.fmax(colmax[buf + 2 * NC + col], colmax[buf + 3 * NC + col]))
+                m_new = ptx.fmax(mrun[e], tmax)
+                alpha = cute.arch.exp2(mrun[e] - m_new)
+                p = cute.arch.exp2(sv[e] - m_new)
+                lrun[e] = lrun[e] * alpha + p
+                mrun[e] = m_new
+                moved = moved | _flag(alpha != 1.0)
+                sP_kh[tScS[e]] = p.to(f16)
+                if lane < 4:
+                    corr_s[col] = alpha
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+            if tid == 0:
+                cute.arch.mbarrier_arrive(empty + stage)
+            if ptx.any(moved) != 0:
+                for e in cutlass.range_constexpr(NO):
+                    accO[e] = accO[e] * corr_s[tOcO[e][1]]
+            warpgroup.fence()
+            cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
+            warpgroup.commit_group()
+
+        warpgroup.wait_group(0)
+
+        # per-head sums: the thread's two rows, the warp's eight lanes, then the four warps
+        for e4 in cutlass.range_constexpr(NS // 4):
+            for b2 in cutlass.range_constexpr(2):
+                e = 4 * e4 + b2
+                part = lrun[e] + lrun[e + 2]
+                part = part + ptx.shfl_xor(part, 4)
+                part = part + ptx.shfl_xor(part, 8)
+                part = part + ptx.shfl_xor(part, 16)
+                if lane < 4:
+                    lsum[warp * NC + tScS[e][1]] = part
+                if tid < 4:
+                    mfin[tScS[e][1]] = mrun[e]
+        # the output tile through shared memory (the ring is idle now): rows = heads
+        sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
+                              cute.make_layout((NC, OROW), stride=(OROW, 1)))
+        for e in cutlass.range_constexpr(NO):
+            sO[tOcO[e][1], tOcO[e][0]] = accO[e]
+        cute.arch.barrier()
+
+        # thread (row, c): head `row`, elements c .. c + CW - 1
+        CW = NC * D // _THREADS
+        row = tid // (D // CW)
+        c0 = (tid % (D // CW)) * CW
+        l_all = lsum[row] + lsum[NC + row] + lsum[2 * NC + row] + lsum[3 * NC + row]
+        m_all = mfin[row]
+        row_ok = _flag(gc * NC + row < group)
+        qh = Int64(h * group + gc * NC + row)
+        if cutlass.const_expr(final):
+            inv = ptx.inv_or_zero(l_all, vs)
+            base = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
+            for k in cutlass.range_constexpr(CW // 2):
+                ptx.st_b32(base + 4 * k, ptx.pack_out(sO[row, c0 + 2 * k] * inv, sO[row, c0 + 2 * k + 1] * inv,
+                                                      out_kind), row_ok)
+            if cutlass.const_expr(write_lse):
+                ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
+                           row_ok * _flag(c0 == 0))
+        else:
+            prow = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
+            base = part_o + (prow * D + c0) * 4
+            for k in cutlass.range_constexpr(CW // 4):
+                ptx.st_v4(base + 16 * k, ptx.f32_bits(sO[row, c0 + 4 * k]), ptx.f32_bits(sO[row, c0 + 4 * k + 1]),
+                          ptx.f32_bits(sO[row, c0 + 4 * k + 2]), ptx.f32_bits(sO[row, c0 + 4 * k + 3]), row_ok)
+            ok0 = row_ok * _flag(c0 == 0)
+            ptx.st_f32(part_ml + prow * 8, m_all, ok0)
+            ptx.st_f32(part_ml + prow * 8 + 4, l_all, ok0)
+            if cutlass.const_expr(spec.fused):
+                # count this split in (after every thread's partials are fenced GPU-wide); the
+                # last of the program's splits merges them all
+                ptx.fence_gpu()
+                cute.arch.barrier()
+                n_part = Int64(num_rows) * Int64(num_kv_heads * group) * Int64(num_splits) * 8
+                counter = part_ml + n_part + Int64(pid) * 4
+                if tid == 0:
+                    done = ptx.atom_add_acq_rel(counter, 1)
+                    count[1] = done
+                cute.arch.barrier()
+                if count[1] % num_splits == num_splits - 1:
+                    ptx.fence_gpu()
+                    prow0 = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
+                    m_top = Float32(_NEG_INF)
+                    for s_i in cutlass.range(num_splits, unroll=1):
+                        m_top = ptx.fmax(m_top, ptx.ld_f32(part_ml + (prow0 + Int64(s_i)) * 8, row_ok))
+                    m_safe = ptx.safe(m_top)
+                    acc = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
+                    acc.fill(0.0)
+                    l_top = Float32(0.0)
+                    for s_i in cutlass.range(num_splits, unroll=1):
+                        ml = part_ml + (prow0 + Int64(s_i)) * 8
+                        w = cute.arch.exp2(ptx.ld_f32(ml, row_ok) - m_safe)
+                        l_top = l_top + ptx.ld_f32(ml + 4, row_ok) * w
+                        src = part_o + ((prow0 + Int64(s_i)) * D + c0) * 4
+                        for k in cutlass.range_constexpr(CW):
+                            acc[k] = acc[k] + ptx.ld_f32(src + 4 * k, row_ok) * w
+                    inv = ptx.inv_or_zero(l_top, vs)
+                    obase = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
+                    for k in cutlass.range_constexpr(CW // 2):
+                        ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind),
+                                   row_ok)
+                    if cutlass.const_expr(write_lse):
+                        ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
+                                   row_ok * _flag(c0 == 0))
+                    if tid == 0:
+                        ptx.atom_add_relaxed(counter, -num_splits)
+
+    @cute.jit
+    def host(q: Int64, k_base: Int64, v_base: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
+             out: Int64, lse: Int64, part_o: Int64, part_ml: Int64, sm_p: Int64, qs_p: Int64, ks_p: Int64,
+             vs_p: Int64, qk_scale: Float32, v_scale: Float32, num_pages: Int32, max_blocks: Int32,
+             num_splits: Int32, stride_qr: Int64, stride_qh: Int64, stride_kp: Int64, stride_kh: Int64,
+             stride_kt: Int64, stride_vp: Int64, stride_vh: Int64, stride_vt: Int64, stride_th: Int64,
+             stride_tr: Int64, stride_tk: Int64, stride_bt: Int64, stride_or: Int64, stride_oh: Int64,
+             stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
+             num_rows: Int32, stream: cuda.CUstream) -> None:
+        gmem = cute.AddressSpace.gmem
+        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, ST)
+        vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, 1)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, 1)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, TERMS)
+
+        n_st, n_tiles, n_c = ST, NTMAX, NC
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[Int64, n_st]
+            empty: cute.struct.MemRange[Int64, n_st]
+            tile_page: cute.struct.MemRange[Int32, n_tiles]
+            tile_tok: cute.struct.MemRange[Int32, n_tiles]
+            tile_vis: cute.struct.MemRange[Int32, n_tiles]
+            count: cute.struct.MemRange[Int32, 4]
+            colmax: cute.struct.MemRange[Float32, 2 * 4 * n_c]
+            colscale: cute.struct.MemRange[Float32, n_c]
+            corr: cute.struct.MemRange[Float32, n_c]
+            lsum: cute.struct.MemRange[Float32, 4 * n_c]
+            mfin: cute.struct.MemRange[Float32, n_c]
+            sQ: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
+            sVb: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(vb_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
+        built["storage"] = Storage
+
+        k_view = cute.make_tensor(cute.make_ptr(fp8, k_base, gmem, assumed_align=16),
+                                  cute.make_layout((P, D, num_kv_heads, num_pages),
+                                                   stride=(stride_kt, 1, stride_kh, stride_kp)))
+        v_view = cute.make_tensor(cute.make_ptr(fp8, v_base, gmem, assumed_align=16),
+                                  cute.make_layout((P, D, num_kv_heads, num_pages),
+                                                   stride=(stride_vt, 1, stride_vh, stride_vp)))
+        one = cute.slice_(kv_layout, (None, None, 0))
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, k_view, one, (TILE, D))
+        tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
+        tx_bytes = 2 * cute.size_in_bytes(fp8, one)
+        qk_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
+                                                   cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                   tiler_mn=(TILE, NC))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.MN,
+                                                   cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                   tiler_mn=(64, NC))
+        grid = [num_rows * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
+        kernel(tma_k, gK, tma_v, gV, qk_mma, pv_mma, kv_layout, vb_layout, p_layout, q_layout, q, topk, table,
+               row_request, q_pos, out, lse, part_o, part_ml,
+               sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
+               stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
+               num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(grid=grid, block=[_THREADS, 1, 1],
+                                                                     stream=stream)
+
+    return host
