@@ -31,6 +31,7 @@ from msa.backends.cute.config import (
     KINDS,
     VERIFIED_DSL_VERSIONS,
     WGMMA_FUSED_MERGE,
+    WGMMA_LAG,
     WGMMA_STAGES,
     CuteConfig,
     choose_min_ctas,
@@ -90,11 +91,13 @@ class CuteBackend(Backend[CutePlan]):
     )
 
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
-                 min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None) -> None:
+                 min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
+                 lag: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         self.kernel = kernel
         self.fused = fused
+        self.lag = lag
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -140,7 +143,8 @@ class CuteBackend(Backend[CutePlan]):
         if self.kernel_for(problem, platform) == "wgmma":
             return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count),
                               stages=self.stages or WGMMA_STAGES, kernel="wgmma",
-                              fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused)
+                              fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
+                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0)
         splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,

@@ -11,7 +11,8 @@ __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
-    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "wgmma_serves", "wgmma_heads", "wgmma_programs", "choose_wgmma_splits",
+    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "wgmma_serves", "wgmma_heads", "wgmma_programs",
+    "choose_wgmma_splits",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -61,6 +62,8 @@ WGMMA_STAGES = 3
 WGMMA_CTAS_PER_SM = 3
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
+#: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
+WGMMA_LAG = False
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
 
@@ -76,6 +79,7 @@ class CuteConfig:
     kernel: "mma" or "wgmma" (`KERNELS`).
     fused: several splits are merged by the last one to finish, inside the kernel ("wgmma"),
         instead of by the Triton merge kernel after it.
+    lag: the wgmma kernel weighs each tile by the maximum through the previous tiles (`sm90.py`).
     """
 
     num_splits: int
@@ -84,6 +88,7 @@ class CuteConfig:
     min_ctas: int = DEFAULT_MIN_CTAS
     kernel: str = "mma"
     fused: bool = False
+    lag: bool = False
 
 
 def max_stages(kind: str) -> int:

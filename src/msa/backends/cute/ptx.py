@@ -338,3 +338,10 @@ def atom_add_relaxed(addr: Any, value: Any) -> None:
     """`red.relaxed.gpu.global.add.u32` (no result)."""
     _asm(1, T.i32, "{red.relaxed.gpu.global.add.u32 [$1], $2; mov.b32 $0, 0;}", "=r,l,r", addr, Int32(value),
          side=True)
+
+
+def bar_red_or(pred: Any) -> Int32:
+    """`bar.red.or.pred` on barrier 0 (every thread of the CTA): 1 when `pred` is not 0 in any
+    thread, for all of them."""
+    return _i32(1, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, 0, p; selp.b32 $0, 1, 0, q;}",
+                "=r,r", pred, side=True)[0]

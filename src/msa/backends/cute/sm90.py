@@ -51,6 +51,9 @@ TILE = 64
 Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
 _THREADS = 128
 _NEG_INF = float("-inf")
+#: With `lag`, the weights of a tile are 2^(s - the maximum through the previous tiles); a tile
+#: with a weight above 2^_LAG_LIMIT is redone with its own maximum (the weights are stored as f16).
+_LAG_LIMIT = 15.0
 
 
 @attrs.frozen
@@ -67,6 +70,9 @@ class Sm90Spec:
         fused: with several splits, the last split of a program to finish merges them all and
             writes the output (and LSE) itself; the program counters are the int32 words after
             the `rows * 2` floats of `part_ml` (zero; each merge takes its count back off).
+        lag: weigh each tile by the maximum through the previous tiles (one barrier a tile instead
+            of two; a tile whose weights would pass 2^15 is redone with its own maximum).
+        min_ctas: CTAs per SM the registers must allow (launch bounds; 0 leaves it to ptxas).
     """
 
     page_size: int
@@ -77,10 +83,19 @@ class Sm90Spec:
     nc: int = 16
     stages: int = 3
     fused: bool = False
+    lag: bool = False
+    min_ctas: int = 0
 
 
 def _flag(cond: Any) -> Any:
     return cutlass.select_(cond, Int32(1), Int32(0))
+
+
+def _tile_max(colmax: Any, index: Any) -> Any:
+    """The largest of the four warps' maxima of one column (one 16-byte shared load)."""
+    four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    cute.autovec_copy(colmax[None, index], four)
+    return ptx.fmax(ptx.fmax(four[0], four[1]), ptx.fmax(four[2], four[3]))
 
 
 def _f32_of_bf16_pair(word: Any) -> tuple[Any, Any]:
@@ -101,6 +116,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     NC = spec.nc
     ST = spec.stages
     TERMS = Q_TERMS[spec.q_kind]
+    LAG = spec.lag
     NTMAX = 32 * HALVES  # top-k <= 32 entries
     EPT = NC * D // _THREADS  # q elements each thread splits
     LPR = D // EPT  # threads per q row
@@ -140,9 +156,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         tile_tok = st.tile_tok.get_tensor(cute.make_layout(NTMAX))
         tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))
         count = st.count.get_tensor(cute.make_layout(4))
-        colmax = st.colmax.get_tensor(cute.make_layout(2 * 4 * NC))
+        colmax = st.colmax.get_tensor(cute.make_layout((4, 2 * NC)))  # [warp, tile % 2 * NC + head]
         colscale = st.colscale.get_tensor(cute.make_layout(NC))
-        corr_s = st.corr.get_tensor(cute.make_layout(NC))
         lsum = st.lsum.get_tensor(cute.make_layout(4 * NC))
         mfin = st.mfin.get_tensor(cute.make_layout(NC))
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
@@ -288,14 +303,23 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         vdst = cvt_thr.partition_D(sVb_td)
         vcoord = cvt_thr.partition_S(cute.make_identity_tensor((TILE, D)))
 
+        # the thread's scores are NS elements over NCOL columns (heads): element e is column
+        # 2 (e // 4) + e % 2, row g or g + 8 (wgmma's accumulator layout)
+        NCOL = NS // 2
         cs = cute.make_rmem_tensor(cute.make_layout(NS), Float32)  # the column scale of each score
-        mrun = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
-        lrun = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
         for e in cutlass.range_constexpr(NS):
             cs[e] = colscale[tScS[e][1]]
-            mrun[e] = Float32(_NEG_INF)
-            lrun[e] = Float32(0.0)
+        mcol = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # offset of the sums so far
+        lcol = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the thread's sums
+        moff = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum through the last tile
+        mnew = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
+        alpha = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
+        for ci in cutlass.range_constexpr(NCOL):
+            mcol[ci] = Float32(_NEG_INF)
+            moff[ci] = Float32(_NEG_INF)
+            lcol[ci] = Float32(0.0)
         sv = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
+        pk = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
 
         for u in cutlass.range(nloc, unroll=1):
             stage = u % ST
@@ -338,46 +362,69 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             vh[i] = f16(0.0)
                 cute.autovec_copy(vh, vdst[None, c, 0])
 
-            # scaled, masked scores and this warp's column maxima (elements e, e + 2 share a column)
+            # scaled, masked scores
             for e in cutlass.range_constexpr(NS):
                 x = accS[e] * cs[e]
                 if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
                     if tScS[e][0] >= vis:
                         x = Float32(_NEG_INF)
                 sv[e] = x
-            buf = (u % 2) * 4 * NC
-            for e4 in cutlass.range_constexpr(NS // 4):
-                for b2 in cutlass.range_constexpr(2):
-                    e = 4 * e4 + b2
-                    m = ptx.fmax(sv[e], sv[e + 2])
-                    m = ptx.fmax(m, ptx.shfl_xor(m, 4))
-                    m = ptx.fmax(m, ptx.shfl_xor(m, 8))
-                    m = ptx.fmax(m, ptx.shfl_xor(m, 16))
-                    if lane < 4:
-                        colmax[buf + warp * NC + tScS[e][1]] = m
-            cute.arch.barrier()
-
-            moved = Int32(0)
-            for e in cutlass.range_constexpr(NS):
-                col = tScS[e][1]
-                tmax = ptx.fmax(ptx.fmax(colmax[buf + col], colmax[buf + NC + col]),
-                                ptx.fmax(colmax[buf + 2 * NC + col], colmax[buf + 3 * NC + col]))
-                m_new = ptx.fmax(mrun[e], tmax)
-                alpha = cute.arch.exp2(mrun[e] - m_new)
-                p = cute.arch.exp2(sv[e] - m_new)
-                lrun[e] = lrun[e] * alpha + p
-                mrun[e] = m_new
-                moved = moved | _flag(alpha != 1.0)
-                sP_kh[tScS[e]] = p.to(f16)
+            # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
+            buf = (u % 2) * NC
+            for ci in cutlass.range_constexpr(NCOL):
+                e = 4 * (ci // 2) + ci % 2
+                m = ptx.fmax(sv[e], sv[e + 2])
+                m = ptx.fmax(m, ptx.shfl_xor(m, 4))
+                m = ptx.fmax(m, ptx.shfl_xor(m, 8))
+                m = ptx.fmax(m, ptx.shfl_xor(m, 16))
                 if lane < 4:
-                    corr_s[col] = alpha
+                    colmax[warp, buf + tScS[e][1]] = m
+            if cutlass.const_expr(not LAG):
+                cute.arch.barrier()
+                for ci in cutlass.range_constexpr(NCOL):
+                    mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+            else:
+                for ci in cutlass.range_constexpr(NCOL):
+                    mnew[ci] = moff[ci]
+            over = Int32(0)
+            for e in cutlass.range_constexpr(NS):
+                d = sv[e] - mnew[2 * (e // 4) + e % 2]
+                if cutlass.const_expr(LAG):
+                    over = over | _flag(d > _LAG_LIMIT)
+                pk[e] = cute.arch.exp2(d)
+                sP_kh[tScS[e]] = pk[e].to(f16)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
+            if cutlass.const_expr(LAG):
+                # the offset (the maximum through the last tile) left some weight above 2^15 (and
+                # the first tile has none): redo this tile with its exact maximum
+                if ptx.bar_red_or(over) != 0:
+                    for ci in cutlass.range_constexpr(NCOL):
+                        mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+                    for e in cutlass.range_constexpr(NS):
+                        pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
+                        sP_kh[tScS[e]] = pk[e].to(f16)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier()
+            else:
+                cute.arch.barrier()
             if tid == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
+            moved = Int32(0)
+            for ci in cutlass.range_constexpr(NCOL):
+                e = 4 * (ci // 2) + ci % 2
+                alpha[ci] = cute.arch.exp2(mcol[ci] - mnew[ci])
+                lcol[ci] = lcol[ci] * alpha[ci] + pk[e] + pk[e + 2]
+                moved = moved | _flag(alpha[ci] != 1.0)
+                mcol[ci] = mnew[ci]
+                if cutlass.const_expr(LAG):  # the next tile's offset: the maximum through this one
+                    moff[ci] = ptx.fmax(mnew[ci], _tile_max(colmax, buf + tScS[e][1]))
             if ptx.any(moved) != 0:
                 for e in cutlass.range_constexpr(NO):
-                    accO[e] = accO[e] * corr_s[tOcO[e][1]]
+                    a = alpha[0]
+                    for ci in cutlass.range_constexpr(1, NCOL):
+                        if tOcO[e][1] == tScS[4 * (ci // 2) + ci % 2][1]:
+                            a = alpha[ci]
+                    accO[e] = accO[e] * a
             warpgroup.fence()
             cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
             warpgroup.commit_group()
@@ -385,17 +432,16 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         warpgroup.wait_group(0)
 
         # per-head sums: the thread's two rows, the warp's eight lanes, then the four warps
-        for e4 in cutlass.range_constexpr(NS // 4):
-            for b2 in cutlass.range_constexpr(2):
-                e = 4 * e4 + b2
-                part = lrun[e] + lrun[e + 2]
-                part = part + ptx.shfl_xor(part, 4)
-                part = part + ptx.shfl_xor(part, 8)
-                part = part + ptx.shfl_xor(part, 16)
-                if lane < 4:
-                    lsum[warp * NC + tScS[e][1]] = part
-                if tid < 4:
-                    mfin[tScS[e][1]] = mrun[e]
+        for ci in cutlass.range_constexpr(NCOL):
+            e = 4 * (ci // 2) + ci % 2
+            part = lcol[ci]
+            part = part + ptx.shfl_xor(part, 4)
+            part = part + ptx.shfl_xor(part, 8)
+            part = part + ptx.shfl_xor(part, 16)
+            if lane < 4:
+                lsum[warp * NC + tScS[e][1]] = part
+            if tid < 4:
+                mfin[tScS[e][1]] = mcol[ci]
         # the output tile through shared memory (the ring is idle now): rows = heads
         sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
                               cute.make_layout((NC, OROW), stride=(OROW, 1)))
@@ -492,9 +538,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             tile_tok: cute.struct.MemRange[Int32, n_tiles]
             tile_vis: cute.struct.MemRange[Int32, n_tiles]
             count: cute.struct.MemRange[Int32, 4]
-            colmax: cute.struct.MemRange[Float32, 2 * 4 * n_c]
+            colmax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * n_c], 16]
             colscale: cute.struct.MemRange[Float32, n_c]
-            corr: cute.struct.MemRange[Float32, n_c]
             lsum: cute.struct.MemRange[Float32, 4 * n_c]
             mfin: cute.struct.MemRange[Float32, n_c]
             sQ: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(q_layout)], 1024]
@@ -526,7 +571,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                row_request, q_pos, out, lse, part_o, part_ml,
                sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
-               num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(grid=grid, block=[_THREADS, 1, 1],
-                                                                     stream=stream)
+               num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(
+            grid=grid, block=[_THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=spec.min_ctas)
 
     return host
