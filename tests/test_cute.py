@@ -211,17 +211,18 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
 @given(params=step_params(max_batch=4, layouts=("fp8_e4m3",), head_dim=128, groups=(1, 3, 8, 16, 20),
                           pages=(64, 128), max_topk=32, max_blocks=6),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2, 4]),
-       lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]))
+       lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
-                                                                  lse_wanted: bool, lag: bool | None) -> None:
+                                                                  lse_wanted: bool, lag: bool | None,
+                                                                  wgs: int | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 steps: NaN in every byte the contract never reads
     (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows)."""
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag}")
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
-    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")

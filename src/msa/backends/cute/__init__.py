@@ -92,12 +92,13 @@ class CuteBackend(Backend[CutePlan]):
 
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
-                 lag: bool | None = None) -> None:
+                 lag: bool | None = None, wgs: int | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         self.kernel = kernel
         self.fused = fused
         self.lag = lag
+        self.wgs = wgs
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -144,7 +145,8 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count),
                               stages=self.stages or WGMMA_STAGES, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
-                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0)
+                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0,
+                              wgs=self.wgs or 1)
         splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,

@@ -80,6 +80,7 @@ class CuteConfig:
     fused: several splits are merged by the last one to finish, inside the kernel ("wgmma"),
         instead of by the Triton merge kernel after it.
     lag: the wgmma kernel weighs each tile by the maximum through the previous tiles (`sm90.py`).
+    wgs: consumer warpgroups per CTA of the wgmma kernel (1 or 2).
     """
 
     num_splits: int
@@ -89,6 +90,7 @@ class CuteConfig:
     kernel: str = "mma"
     fused: bool = False
     lag: bool = False
+    wgs: int = 1
 
 
 def max_stages(kind: str) -> int:

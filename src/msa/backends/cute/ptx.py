@@ -340,8 +340,9 @@ def atom_add_relaxed(addr: Any, value: Any) -> None:
          side=True)
 
 
-def bar_red_or(pred: Any) -> Int32:
-    """`bar.red.or.pred` on barrier 0 (every thread of the CTA): 1 when `pred` is not 0 in any
-    thread, for all of them."""
-    return _i32(1, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, 0, p; selp.b32 $0, 1, 0, q;}",
-                "=r,r", pred, side=True)[0]
+def bar_red_or(pred: Any, barrier: Any = 0, threads: int = 0) -> Int32:
+    """`bar.red.or.pred` on barrier `barrier` (of `threads` threads; 0: the whole CTA): 1 when
+    `pred` is not 0 in any of them, for all of them."""
+    count = f", {threads}" if threads else ""
+    return _i32(1, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, $2" + count
+                + ", p; selp.b32 $0, 1, 0, q;}", "=r,r,r", pred, Int32(barrier), side=True)[0]

@@ -73,6 +73,9 @@ class Sm90Spec:
         lag: weigh each tile by the maximum through the previous tiles (one barrier a tile instead
             of two; a tile whose weights would pass 2^15 is redone with its own maximum).
         min_ctas: CTAs per SM the registers must allow (launch bounds; 0 leaves it to ptxas).
+        wgs: consumer warpgroups per CTA (1 or 2): each walks every `wgs`-th tile of the split
+            through its own ring, and the CTA merges their states at the end (twice the tiles in
+            flight for one prologue).
     """
 
     page_size: int
@@ -85,6 +88,7 @@ class Sm90Spec:
     fused: bool = False
     lag: bool = False
     min_ctas: int = 0
+    wgs: int = 1
 
 
 def _flag(cond: Any) -> Any:
@@ -96,6 +100,14 @@ def _tile_max(colmax: Any, index: Any) -> Any:
     four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     cute.autovec_copy(colmax[None, index], four)
     return ptx.fmax(ptx.fmax(four[0], four[1]), ptx.fmax(four[2], four[3]))
+
+
+def _wg_barrier(wg: Any, wgs: int) -> None:
+    """Synchronise one consumer warpgroup (named barrier 1 + wg; the whole CTA when it is the only one)."""
+    if wgs == 1:
+        cute.arch.barrier()
+    else:
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_THREADS)
 
 
 def _f32_of_bf16_pair(word: Any) -> tuple[Any, Any]:
@@ -117,6 +129,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     ST = spec.stages
     TERMS = Q_TERMS[spec.q_kind]
     LAG = spec.lag
+    WGS = spec.wgs
     NTMAX = 32 * HALVES  # top-k <= 32 entries
     EPT = NC * D // _THREADS  # q elements each thread splits
     LPR = D // EPT  # threads per q row
@@ -143,6 +156,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         pid, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
+        wg = tid // _THREADS  # the consumer warpgroup
+        wtid = tid % _THREADS
+        wwarp = warp % 4
         chunks = (group + (NC - 1)) // NC
         gc = pid % chunks
         h = (pid // chunks) % num_kv_heads
@@ -156,10 +172,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         tile_tok = st.tile_tok.get_tensor(cute.make_layout(NTMAX))
         tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))
         count = st.count.get_tensor(cute.make_layout(4))
-        colmax = st.colmax.get_tensor(cute.make_layout((4, 2 * NC)))  # [warp, tile % 2 * NC + head]
+        colmax = st.colmax.get_tensor(cute.make_layout((4, 2 * NC * WGS)))  # [warp, (wg, tile % 2, head)]
         colscale = st.colscale.get_tensor(cute.make_layout(NC))
-        lsum = st.lsum.get_tensor(cute.make_layout(4 * NC))
-        mfin = st.mfin.get_tensor(cute.make_layout(NC))
+        lsum = st.lsum.get_tensor(cute.make_layout(4 * NC * WGS))
+        mfin = st.mfin.get_tensor(cute.make_layout(NC * WGS))
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
@@ -168,7 +184,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
         if warp == 0:
             with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(ST):
+                for s in cutlass.range_constexpr(WGS * ST):
                     cute.arch.mbarrier_init(full + s, 1)
                     cute.arch.mbarrier_init(empty + s, 1)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
@@ -213,8 +229,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
 
         # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms
-        qr = tid // LPR
-        k0 = (tid % LPR) * EPT
+        qr = wtid // LPR  # (every warpgroup writes the same q terms)
+        k0 = (wtid % LPR) * EPT
         q_ok = _flag(gc * NC + qr < group)
         qbase = q + (Int64(r) * stride_qr + Int64(h * group + gc * NC + qr) * stride_qh + k0) * Q_BYTES
         xs = cute.make_rmem_tensor(cute.make_layout(EPT), Float32)
@@ -250,7 +266,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 xs.store(xs.load() - term.load().to(Float32))
             for i in cutlass.range_constexpr(EPT):
                 sQ_rows[qr, k0 + i, t] = term[i]
-        if tid % LPR == 0:
+        if wtid % LPR == 0:
             colscale[qr] = qk / scale
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier()
@@ -258,6 +274,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         total = count[0]
         t0 = (split * total) // num_splits
         nloc = ((split + 1) * total) // num_splits - t0
+        # this warpgroup's tiles: t0 + wg, t0 + wg + WGS, ...; its ring: stages sb .. sb + ST - 1
+        t0 = t0 + wg
+        nloc = (nloc - wg + (WGS - 1)) // WGS
+        sb = wg * ST
 
         # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
         gKt = cute.flat_divide(gK, (TILE, D))[None, None, None, 0, None, None]
@@ -267,24 +287,24 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                    cute.group_modes(gVt, 0, 2))
 
-        if warp == 0:
+        if wwarp == 0:
             for s in cutlass.range_constexpr(ST - 1):
                 if s < nloc:
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + s, tx_bytes)
-                    half = tile_tok[t0 + s] // TILE
-                    pg = tile_page[t0 + s]
-                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, s)], tma_bar_ptr=full + s)
-                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, s)], tma_bar_ptr=full + s)
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + sb + s, tx_bytes)
+                    half = tile_tok[t0 + WGS * s] // TILE
+                    pg = tile_page[t0 + WGS * s]
+                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, sb + s)], tma_bar_ptr=full + sb + s)
+                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, sb + s)], tma_bar_ptr=full + sb + s)
 
-        qk_thr = qk_mma.get_slice(tid)
-        pv_thr = pv_mma.get_slice(tid)
+        qk_thr = qk_mma.get_slice(wtid)
+        pv_thr = pv_mma.get_slice(wtid)
         tSrK = qk_mma.make_fragment_A(qk_thr.partition_A(sK))
         tSrQ = qk_mma.make_fragment_B(qk_thr.partition_B(sQ))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE, NC)))
         accS = cute.make_rmem_tensor(tScS.shape, Float32)
-        tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, 0)]
-        tOrP = pv_mma.make_fragment_B(pv_thr.partition_B(sP))[(None, None, None, 0)]
+        tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
+        tOrP = pv_mma.make_fragment_B(pv_thr.partition_B(sP))[(None, None, None, wg)]
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((D, NC)))
         accO = cute.make_rmem_tensor(tOcO.shape, Float32)
         accO.fill(0.0)
@@ -297,9 +317,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         cvt_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), fp8, num_bits_per_copy=64)
         cvt = cute.make_tiled_copy_tv(cvt_atom, cute.make_ordered_layout((_THREADS // (D // 8), D // 8), order=(1, 0)),
                                       cute.make_layout((1, 8)))
-        cvt_thr = cvt.get_slice(tid)
-        sVb_td = cute.make_tensor(sVb[None, None, 0].iterator, cute.select(sVb[None, None, 0].layout, mode=[1, 0]))
-        sP_kh = cute.make_tensor(sP[None, None, 0].iterator, cute.select(sP[None, None, 0].layout, mode=[1, 0]))
+        cvt_thr = cvt.get_slice(wtid)
+        sVb_td = cute.make_tensor(sVb[None, None, wg].iterator, cute.select(sVb[None, None, wg].layout, mode=[1, 0]))
+        sP_kh = cute.make_tensor(sP[None, None, wg].iterator, cute.select(sP[None, None, wg].layout, mode=[1, 0]))
         vdst = cvt_thr.partition_D(sVb_td)
         vcoord = cvt_thr.partition_S(cute.make_identity_tensor((TILE, D)))
 
@@ -322,16 +342,16 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         pk = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
 
         for u in cutlass.range(nloc, unroll=1):
-            stage = u % ST
-            if warp == 0:
+            stage = sb + u % ST
+            if wwarp == 0:
                 lu = u + ST - 1
                 if lu < nloc:
-                    ls = lu % ST
+                    ls = sb + lu % ST
                     cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + ls, tx_bytes)
-                    half = tile_tok[t0 + lu] // TILE
-                    pg = tile_page[t0 + lu]
+                    half = tile_tok[t0 + WGS * lu] // TILE
+                    pg = tile_page[t0 + WGS * lu]
                     cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, ls)], tma_bar_ptr=full + ls)
                     cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, ls)], tma_bar_ptr=full + ls)
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
@@ -350,7 +370,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
             for c in cutlass.range_constexpr(NCV):
                 cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
-            vis = tile_vis[t0 + u]
+            vis = tile_vis[t0 + WGS * u]
             warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
 
             vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
@@ -370,7 +390,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         x = Float32(_NEG_INF)
                 sv[e] = x
             # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
-            buf = (u % 2) * NC
+            buf = (2 * wg + u % 2) * NC
             for ci in cutlass.range_constexpr(NCOL):
                 e = 4 * (ci // 2) + ci % 2
                 m = ptx.fmax(sv[e], sv[e + 2])
@@ -378,9 +398,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 m = ptx.fmax(m, ptx.shfl_xor(m, 8))
                 m = ptx.fmax(m, ptx.shfl_xor(m, 16))
                 if lane < 4:
-                    colmax[warp, buf + tScS[e][1]] = m
+                    colmax[wwarp, buf + tScS[e][1]] = m
             if cutlass.const_expr(not LAG):
-                cute.arch.barrier()
+                _wg_barrier(wg, WGS)
                 for ci in cutlass.range_constexpr(NCOL):
                     mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
             else:
@@ -397,17 +417,17 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if cutlass.const_expr(LAG):
                 # the offset (the maximum through the last tile) left some weight above 2^15 (and
                 # the first tile has none): redo this tile with its exact maximum
-                if ptx.bar_red_or(over) != 0:
+                if ptx.bar_red_or(over, (1 + wg) if WGS > 1 else 0, _THREADS if WGS > 1 else 0) != 0:
                     for ci in cutlass.range_constexpr(NCOL):
                         mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                     for e in cutlass.range_constexpr(NS):
                         pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
                         sP_kh[tScS[e]] = pk[e].to(f16)
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier()
+                    _wg_barrier(wg, WGS)
             else:
-                cute.arch.barrier()
-            if tid == 0:
+                _wg_barrier(wg, WGS)
+            if wtid == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
             moved = Int32(0)
             for ci in cutlass.range_constexpr(NCOL):
@@ -440,28 +460,49 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             part = part + ptx.shfl_xor(part, 16)
             if lane < 4:
                 lsum[warp * NC + tScS[e][1]] = part
-            if tid < 4:
-                mfin[tScS[e][1]] = mcol[ci]
-        # the output tile through shared memory (the ring is idle now): rows = heads
+            if wtid < 4:
+                mfin[wg * NC + tScS[e][1]] = mcol[ci]
+        # each warpgroup's output tile through shared memory (its own ring is idle now): rows = heads
         sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
-                              cute.make_layout((NC, OROW), stride=(OROW, 1)))
+                              cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, ST * TILE * D // 4)))
         for e in cutlass.range_constexpr(NO):
-            sO[tOcO[e][1], tOcO[e][0]] = accO[e]
+            sO[tOcO[e][1], tOcO[e][0], wg] = accO[e]
         cute.arch.barrier()
 
-        # thread (row, c): head `row`, elements c .. c + CW - 1
+        # thread (row, c) of the first warpgroup: head `row`, elements c .. c + CW - 1, the
+        # warpgroups' states merged
         CW = NC * D // _THREADS
-        row = tid // (D // CW)
-        c0 = (tid % (D // CW)) * CW
-        l_all = lsum[row] + lsum[NC + row] + lsum[2 * NC + row] + lsum[3 * NC + row]
-        m_all = mfin[row]
-        row_ok = _flag(gc * NC + row < group)
+        row = wtid // (D // CW)
+        c0 = (wtid % (D // CW)) * CW
+        ov = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
+        if cutlass.const_expr(WGS == 1):
+            l_all = lsum[row] + lsum[NC + row] + lsum[2 * NC + row] + lsum[3 * NC + row]
+            m_all = mfin[row]
+            for k in cutlass.range_constexpr(CW):
+                ov[k] = sO[row, c0 + k, 0]
+        else:
+            m_all = Float32(_NEG_INF)
+            for w in cutlass.range_constexpr(WGS):
+                m_all = ptx.fmax(m_all, mfin[w * NC + row])
+            m_safe = ptx.safe(m_all)
+            l_all = Float32(0.0)
+            for k in cutlass.range_constexpr(CW):
+                ov[k] = Float32(0.0)
+            for w in cutlass.range_constexpr(WGS):
+                wt = cute.arch.exp2(mfin[w * NC + row] - m_safe)
+                lw = Float32(0.0)
+                for k4 in cutlass.range_constexpr(4):
+                    lw = lw + lsum[(4 * w + k4) * NC + row]
+                l_all = l_all + lw * wt
+                for k in cutlass.range_constexpr(CW):
+                    ov[k] = ov[k] + sO[row, c0 + k, w] * wt
+        row_ok = _flag(gc * NC + row < group) * _flag(wg == 0)
         qh = Int64(h * group + gc * NC + row)
         if cutlass.const_expr(final):
             inv = ptx.inv_or_zero(l_all, vs)
             base = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
             for k in cutlass.range_constexpr(CW // 2):
-                ptx.st_b32(base + 4 * k, ptx.pack_out(sO[row, c0 + 2 * k] * inv, sO[row, c0 + 2 * k + 1] * inv,
+                ptx.st_b32(base + 4 * k, ptx.pack_out(ov[2 * k] * inv, ov[2 * k + 1] * inv,
                                                       out_kind), row_ok)
             if cutlass.const_expr(write_lse):
                 ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
@@ -470,8 +511,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             prow = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
             base = part_o + (prow * D + c0) * 4
             for k in cutlass.range_constexpr(CW // 4):
-                ptx.st_v4(base + 16 * k, ptx.f32_bits(sO[row, c0 + 4 * k]), ptx.f32_bits(sO[row, c0 + 4 * k + 1]),
-                          ptx.f32_bits(sO[row, c0 + 4 * k + 2]), ptx.f32_bits(sO[row, c0 + 4 * k + 3]), row_ok)
+                ptx.st_v4(base + 16 * k, ptx.f32_bits(ov[4 * k]), ptx.f32_bits(ov[4 * k + 1]),
+                          ptx.f32_bits(ov[4 * k + 2]), ptx.f32_bits(ov[4 * k + 3]), row_ok)
             ok0 = row_ok * _flag(c0 == 0)
             ptx.st_f32(part_ml + prow * 8, m_all, ok0)
             ptx.st_f32(part_ml + prow * 8 + 4, l_all, ok0)
@@ -524,12 +565,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
              stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
              num_rows: Int32, stream: cuda.CUstream) -> None:
         gmem = cute.AddressSpace.gmem
-        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, ST)
-        vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, 1)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, 1)
+        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, WGS * ST)
+        vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
+        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, WGS)
         q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, TERMS)
 
-        n_st, n_tiles, n_c = ST, NTMAX, NC
+        n_st, n_tiles, n_c = WGS * ST, NTMAX, NC * WGS
         @cute.struct
         class Storage:
             full: cute.struct.MemRange[Int64, n_st]
@@ -572,7 +613,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
                num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(
-            grid=grid, block=[_THREADS, 1, 1], stream=stream,
+            grid=grid, block=[_THREADS * WGS, 1, 1], stream=stream,
             min_blocks_per_mp=spec.min_ctas)
 
     return host
