@@ -34,6 +34,7 @@ from msa.backends.cute.config import (
     choose_splits,
     choose_wgmma_splits,
     programs,
+    wgmma_ctas_per_sm,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -107,11 +108,14 @@ def test_wgmma_heads_follow_the_gqa_group(tp: int) -> None:
 @pytest.mark.parametrize("sms", [1, 132])
 def test_wgmma_splits_fill_the_slots_once_and_keep_four_tiles(batch: int, sms: int) -> None:
     problem = _fp8(batch)
-    splits = choose_wgmma_splits(problem, sms)
-    g = problem.geometry
-    assert 1 <= splits <= g.topk * g.page_size // 64 // 4
-    if splits > 1:
-        assert wgmma_programs(problem) * splits <= WGMMA_CTAS_PER_SM * sms
+    for stages, wgs in ((3, 1), (2, 1), (2, 2)):
+        splits = choose_wgmma_splits(problem, sms, stages, wgs)
+        g = problem.geometry
+        assert 1 <= splits <= g.topk * g.page_size // 64 // (4 * wgs)
+        if splits > 1:
+            assert wgmma_programs(problem) * splits <= wgmma_ctas_per_sm(stages, wgs) * sms
+    assert [wgmma_ctas_per_sm(st, w) for st, w in ((2, 1), (3, 1), (2, 2), (3, 2))] == [4, 3, 2, 1]
+    assert wgmma_ctas_per_sm(3, 1) == WGMMA_CTAS_PER_SM
 
 
 def test_measured_choices() -> None:

@@ -142,11 +142,11 @@ class CuteBackend(Backend[CutePlan]):
         platform = detect(device)
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
-            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count),
-                              stages=self.stages or WGMMA_STAGES, kernel="wgmma",
+            stages, wgs = self.stages or WGMMA_STAGES, self.wgs or 1
+            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count, stages, wgs),
+                              stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
-                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0,
-                              wgs=self.wgs or 1)
+                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs)
         splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,

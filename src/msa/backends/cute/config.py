@@ -12,7 +12,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
     "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "wgmma_serves", "wgmma_heads", "wgmma_programs",
-    "choose_wgmma_splits",
+    "choose_wgmma_splits", "wgmma_ctas_per_sm",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -143,9 +143,17 @@ def wgmma_programs(problem: DecodeProblem) -> int:
     return problem.num_rows * g.num_kv_heads * -(-g.group_size // heads)
 
 
-def choose_wgmma_splits(problem: DecodeProblem, sm_count: int) -> int:
-    """Splits that fill the SMs' CTA slots once at most, each split keeping at least 4 tiles."""
+def wgmma_ctas_per_sm(stages: int, wgs: int) -> int:
+    """CTAs of the wgmma kernel that fit on an SM's 227 KiB of shared memory: each warpgroup's
+    ring (16 KiB a stage) and value/weight operands (18 KiB), plus ~6 KiB for the CTA (q terms,
+    tables): 4 at (2 stages, 1 warpgroup), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2)."""
+    return max(1, (227 * 1024) // (wgs * (stages * 16384 + 18432) + 6144))
+
+
+def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = WGMMA_STAGES, wgs: int = 1) -> int:
+    """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles."""
     g = problem.geometry
     tiles = g.topk * g.page_size // 64
-    most = max(1, tiles // _WGMMA_MIN_TILES)
-    return max(1, min(most, WGMMA_CTAS_PER_SM * sm_count // max(wgmma_programs(problem), 1)))
+    most = max(1, tiles // (_WGMMA_MIN_TILES * wgs))
+    slots = wgmma_ctas_per_sm(stages, wgs) * sm_count
+    return max(1, min(most, slots // max(wgmma_programs(problem), 1)))

@@ -533,13 +533,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     m_top = Float32(_NEG_INF)
                     for s_i in cutlass.range(num_splits, unroll=1):
                         m_top = ptx.fmax(m_top, ptx.ld_f32(part_ml + (prow0 + Int64(s_i)) * 8, row_ok))
-                    m_safe = ptx.safe(m_top)
+                    m_top_safe = ptx.safe(m_top)
                     acc = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
                     acc.fill(0.0)
                     l_top = Float32(0.0)
                     for s_i in cutlass.range(num_splits, unroll=1):
                         ml = part_ml + (prow0 + Int64(s_i)) * 8
-                        w = cute.arch.exp2(ptx.ld_f32(ml, row_ok) - m_safe)
+                        w = cute.arch.exp2(ptx.ld_f32(ml, row_ok) - m_top_safe)
                         l_top = l_top + ptx.ld_f32(ml + 4, row_ok) * w
                         src = part_o + ((prow0 + Int64(s_i)) * D + c0) * 4
                         for k in cutlass.range_constexpr(CW):
