@@ -112,6 +112,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="JSON CuteBackend options to time as one more variant (repeatable)")
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--query-len", type=int, default=1)
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="share of each token's pages that are its predecessor's (query length > 1)")
     parser.add_argument("--tp", default="1", help="M3 tensor-parallel head layouts to time (1: 64/4 ... 8: 8/1)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
@@ -129,7 +132,8 @@ def main() -> None:
         variants += [(f"cute {flag}={v}", {option: int(v)}) for v in getattr(args, flag).split(",") if v]
     variants += [(f"cute {v}", json.loads(v)) for v in args.variant]
     cases = ((tp, *case) for tp in map(int, args.tp.split(","))
-             for case in m3_cases(args.layouts.split(","), batches, gen, geometry=msa.MINIMAX_M3_TP[tp]))
+             for case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap,
+                                  geometry=msa.MINIMAX_M3_TP[tp]))
     for tp, layout, batch, case in cases:
         n_bytes = case[0]
         backends = [*(() if args.no_triton else [("triton", TritonBackend())]),

@@ -215,18 +215,19 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
 @given(params=step_params(max_batch=4, layouts=("fp8_e4m3",), head_dim=128, groups=(1, 3, 8, 16, 20),
                           pages=(64, 128), max_topk=32, max_blocks=6),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2, 4]),
-       lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]))
+       lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
+       vreg=st.sampled_from([None, False, True]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
-                                                                  wgs: int | None) -> None:
+                                                                  wgs: int | None, vreg: bool | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 steps: NaN in every byte the contract never reads
     (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows)."""
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs}")
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
-    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -322,8 +323,9 @@ def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> Non
 @needs_dsl
 @pytest.mark.parametrize(("q_kind", "nc", "final", "fused", "stages"),
                          [("bf16", 16, True, False, 3), ("f16", 8, False, True, 2), ("e4m3", 16, False, False, 4)])
+@pytest.mark.parametrize("vreg", [False, True])
 def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(q_kind: str, nc: int, final: bool, fused: bool,
-                                                                      stages: int) -> None:
+                                                                      stages: int, vreg: bool) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
     the host argument list `fastcall` packs (the GPU tests run it)."""
     import cutlass.cute as cute
@@ -331,7 +333,7 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(q_kind: st
     from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
-    spec = Sm90Spec(128, q_kind, "bf16", final, not final, nc, stages, fused)
+    spec = Sm90Spec(128, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=1 if final else 2)
     fn = cute.compile(build_sm90(spec), *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
 

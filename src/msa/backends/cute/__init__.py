@@ -33,6 +33,7 @@ from msa.backends.cute.config import (
     WGMMA_FUSED_MERGE,
     WGMMA_LAG,
     WGMMA_STAGES,
+    WGMMA_VREG,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
@@ -92,13 +93,14 @@ class CuteBackend(Backend[CutePlan]):
 
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
-                 lag: bool | None = None, wgs: int | None = None) -> None:
+                 lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         self.kernel = kernel
         self.fused = fused
         self.lag = lag
         self.wgs = wgs
+        self.vreg = vreg
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -143,10 +145,12 @@ class CuteBackend(Backend[CutePlan]):
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
             stages, wgs = self.stages or WGMMA_STAGES, self.wgs or 1
-            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count, stages, wgs),
+            vreg = WGMMA_VREG if self.vreg is None else self.vreg
+            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count, stages, wgs, vreg),
                               stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
-                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs)
+                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
+                              vreg=vreg)
         splits = self.num_splits or choose_splits(problem, sm_count)
         stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
         return CuteConfig(num_splits=splits, stages=stages,

@@ -11,7 +11,8 @@ __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
-    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "wgmma_serves", "wgmma_heads", "wgmma_programs",
+    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "WGMMA_VREG", "wgmma_serves", "wgmma_heads",
+    "wgmma_programs",
     "choose_wgmma_splits", "wgmma_ctas_per_sm",
 ]
 
@@ -64,6 +65,8 @@ WGMMA_CTAS_PER_SM = 3
 WGMMA_FUSED_MERGE = True
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
 WGMMA_LAG = False
+#: The wgmma kernel reads the values into the second product's registers.
+WGMMA_VREG = False
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
 
@@ -81,6 +84,7 @@ class CuteConfig:
         instead of by the Triton merge kernel after it.
     lag: the wgmma kernel weighs each tile by the maximum through the previous tiles (`sm90.py`).
     wgs: consumer warpgroups per CTA of the wgmma kernel (1 or 2).
+    vreg: the wgmma kernel reads the values into registers (no f16 copy in shared memory).
     """
 
     num_splits: int
@@ -91,6 +95,7 @@ class CuteConfig:
     fused: bool = False
     lag: bool = False
     wgs: int = 1
+    vreg: bool = False
 
 
 def max_stages(kind: str) -> int:
@@ -143,17 +148,19 @@ def wgmma_programs(problem: DecodeProblem) -> int:
     return problem.num_rows * g.num_kv_heads * -(-g.group_size // heads)
 
 
-def wgmma_ctas_per_sm(stages: int, wgs: int) -> int:
+def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False) -> int:
     """CTAs of the wgmma kernel that fit on an SM's 227 KiB of shared memory: each warpgroup's
-    ring (16 KiB a stage) and value/weight operands (18 KiB), plus ~6 KiB for the CTA (q terms,
-    tables): 4 at (2 stages, 1 warpgroup), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2)."""
-    return max(1, (227 * 1024) // (wgs * (stages * 16384 + 18432) + 6144))
+    ring (16 KiB a stage) and weight operand (2 KiB; 16 KiB more for the f16 values unless they
+    are read into registers, `vreg`), plus ~6 KiB for the CTA (q terms, tables): 4 at (2 stages,
+    1 warpgroup), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2); with `vreg` 4 at (3, 1)."""
+    return max(1, (227 * 1024) // (wgs * (stages * 16384 + (2048 if vreg else 18432)) + 6144))
 
 
-def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = WGMMA_STAGES, wgs: int = 1) -> int:
+def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = WGMMA_STAGES, wgs: int = 1,
+                        vreg: bool = False) -> int:
     """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles."""
     g = problem.geometry
     tiles = g.topk * g.page_size // 64
     most = max(1, tiles // (_WGMMA_MIN_TILES * wgs))
-    slots = wgmma_ctas_per_sm(stages, wgs) * sm_count
+    slots = wgmma_ctas_per_sm(stages, wgs, vreg) * sm_count
     return max(1, min(most, slots // max(wgmma_programs(problem), 1)))

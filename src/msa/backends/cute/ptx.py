@@ -346,3 +346,8 @@ def bar_red_or(pred: Any, barrier: Any = 0, threads: int = 0) -> Int32:
     count = f", {threads}" if threads else ""
     return _i32(1, "{.reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, $2" + count
                 + ", p; selp.b32 $0, 1, 0, q;}", "=r,r,r", pred, Int32(barrier), side=True)[0]
+
+
+def prmt(a: Any, b: Any, selector: int) -> Int32:
+    """`prmt.b32`: bytes of (a, b) (a: 0-3, b: 4-7) picked by the selector's nibbles."""
+    return _i32(1, f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", a, b)[0]

@@ -76,6 +76,10 @@ class Sm90Spec:
         wgs: consumer warpgroups per CTA (1 or 2): each walks every `wgs`-th tile of the split
             through its own ring, and the CTA merges their states at the end (twice the tiles in
             flight for one prologue).
+        vreg: the values are the second product's A operand in registers, each thread reading
+            its four head dimensions of a token with one 4-byte shared load straight from the TMA
+            tile (the product's rows are a permutation of the head dimensions, undone in the
+            epilogue) instead of an f16 copy of the tile in shared memory.
     """
 
     page_size: int
@@ -89,6 +93,7 @@ class Sm90Spec:
     lag: bool = False
     min_ctas: int = 0
     wgs: int = 1
+    vreg: bool = False
 
 
 def _flag(cond: Any) -> Any:
@@ -130,6 +135,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     TERMS = Q_TERMS[spec.q_kind]
     LAG = spec.lag
     WGS = spec.wgs
+    VREG = spec.vreg
     NTMAX = 32 * HALVES  # top-k <= 32 entries
     EPT = NC * D // _THREADS  # q elements each thread splits
     LPR = D // EPT  # threads per q row
@@ -303,7 +309,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         tSrQ = qk_mma.make_fragment_B(qk_thr.partition_B(sQ))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE, NC)))
         accS = cute.make_rmem_tensor(tScS.shape, Float32)
-        tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
+        if cutlass.const_expr(VREG):
+            tOrV = pv_mma.make_fragment_A(pv_thr.partition_shape_A((D, TILE)))
+            tOrV32 = cute.recast_tensor(tOrV, Int32)  # f16 pairs (two tokens of one row)
+            v_base = st.sV.data_ptr().toint() + warp % 4 * 32 + lane // 4 * 4  # dims 32 w + 4 g .. + 3
+        else:
+            tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
         tOrP = pv_mma.make_fragment_B(pv_thr.partition_B(sP))[(None, None, None, wg)]
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((D, NC)))
         accO = cute.make_rmem_tensor(tOcO.shape, Float32)
@@ -364,23 +375,46 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     cute.gemm(qk_mma, accS, tSrK[(None, None, kk, stage)], tSrQ[(None, None, kk, t)], accS)
             warpgroup.commit_group()
 
-            vsrc = cvt_thr.partition_S(sV[None, None, stage])
-            NCV = cute.size(vsrc, mode=[1])
-            VW = cute.size(vsrc, mode=[0])
-            v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
-            for c in cutlass.range_constexpr(NCV):
-                cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
             vis = tile_vis[t0 + WGS * u]
-            warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+            if cutlass.const_expr(VREG):
+                # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its dims
+                # 32 w + 4 g .. + 3 in one word (the 128-byte swizzle moves 16-byte chunks only)
+                vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+                for kk in cutlass.range_constexpr(4):
+                    for j in cutlass.range_constexpr(4):
+                        key = 16 * kk + 2 * (lane % 4) + (j % 2) + 8 * (j // 2)
+                        addr = v_base + stage * (TILE * D) + key * D
+                        vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
+                        if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
+                            if key >= vis:
+                                vw[4 * kk + j] = Int32(0)
+                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+                for kk in cutlass.range_constexpr(4):
+                    for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
+                        wa, wb = vw[4 * kk + 2 * half], vw[4 * kk + 2 * half + 1]
+                        for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
+                            pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
+                            # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
+                            # row g + 8 h, tokens 2 t4 + 8 half (+1)
+                            tOrV32[half * 2, mb, kk] = pair[0]
+                            tOrV32[half * 2 + 1, mb, kk] = pair[1]
+            else:
+                vsrc = cvt_thr.partition_S(sV[None, None, stage])
+                NCV = cute.size(vsrc, mode=[1])
+                VW = cute.size(vsrc, mode=[0])
+                v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
+                for c in cutlass.range_constexpr(NCV):
+                    cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
+                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
 
-            vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
-            for c in cutlass.range_constexpr(NCV):
-                vh.store(v8[(None, c)].load().to(f16))
-                if vis < TILE:  # the row ends inside this tile: zero the values past it
-                    for i in cutlass.range_constexpr(VW):
-                        if vcoord[i, c, 0][0] >= vis:
-                            vh[i] = f16(0.0)
-                cute.autovec_copy(vh, vdst[None, c, 0])
+                vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
+                for c in cutlass.range_constexpr(NCV):
+                    vh.store(v8[(None, c)].load().to(f16))
+                    if vis < TILE:  # the row ends inside this tile: zero the values past it
+                        for i in cutlass.range_constexpr(VW):
+                            if vcoord[i, c, 0][0] >= vis:
+                                vh[i] = f16(0.0)
+                    cute.autovec_copy(vh, vdst[None, c, 0])
 
             # scaled, masked scores
             for e in cutlass.range_constexpr(NS):
@@ -466,7 +500,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
                               cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, ST * TILE * D // 4)))
         for e in cutlass.range_constexpr(NO):
-            sO[tOcO[e][1], tOcO[e][0], wg] = accO[e]
+            d = tOcO[e][0]
+            if cutlass.const_expr(VREG):  # product row 64 mb + 16 w + 8 h + g is dim 32 w + 4 g + 2 mb + h
+                d = 32 * (d % 64 // 16) + 4 * (d % 8) + 2 * (d // 64) + d % 16 // 8
+            sO[tOcO[e][1], d, wg] = accO[e]
         cute.arch.barrier()
 
         # thread (row, c) of the first warpgroup: head `row`, elements c .. c + CW - 1, the
@@ -585,7 +622,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             mfin: cute.struct.MemRange[Float32, n_c]
             sQ: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
-            sVb: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(vb_layout)], 1024]
+            sVb: cute.struct.Align[cute.struct.MemRange[f16, 8 if VREG else cute.cosize(vb_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
         built["storage"] = Storage
@@ -604,9 +641,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         qk_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
                                                    tiler_mn=(TILE, NC))
-        pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.MN,
+        pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K if VREG
+                                                   else cute.nvgpu.OperandMajorMode.MN,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                   tiler_mn=(64, NC))
+                                                   tiler_mn=(64, NC),
+                                                   a_source=warpgroup.OperandSource.RMEM if VREG
+                                                   else warpgroup.OperandSource.SMEM)
         grid = [num_rows * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
         kernel(tma_k, gK, tma_v, gV, qk_mma, pv_mma, kv_layout, vb_layout, p_layout, q_layout, q, topk, table,
                row_request, q_pos, out, lse, part_o, part_ml,
