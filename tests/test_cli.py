@@ -235,7 +235,8 @@ def test_explain_says_how_triton_runs_a_step_and_why_not_dedup(capsys: pytest.Ca
     whole selection would get the dedup one, and explain says so."""
     monkeypatch.delenv("MSA_BACKEND", raising=False)
     monkeypatch.delenv("MSA_TRITON_DEDUP", raising=False)
-    step = ["explain", "--capability", "9.0", "--sm-count", "132", "--kv-dtype", "fp8", "--batch", "64", "--query-len", "4"]
+    step = ["explain", "--capability", "9.0", "--sm-count", "132", "--kv-dtype", "fp8", "--batch", "64", "--query-len", "4",
+            "--backend", "triton"]
     assert main(step) == 0
     assert "triton runs it with the dedup kernel (4 tokens of a request per program" in capsys.readouterr().out
     assert main([*step, "--dcp-size", "2"]) == 0

@@ -30,8 +30,10 @@ from msa.backends.cute.config import (
     VERIFIED_DSL_VERSIONS,
     WGMMA_CTAS_PER_SM,
     WIDE_MIN_CTAS,
+    WgmmaShape,
     choose_min_ctas,
     choose_splits,
+    choose_wgmma_shape,
     choose_wgmma_splits,
     programs,
     wgmma_ctas_per_sm,
@@ -90,6 +92,24 @@ def test_the_wgmma_kernel_serves_fp8_on_sm90_with_pages_of_64_tokens() -> None:
     assert backend.kernel_for(_problem(8), _hopper()) == "mma"
     assert backend.kernel_for(_fp8(8, small_pages), _hopper()) == "mma"
     assert CuteBackend(kernel="mma").kernel_for(_fp8(8), _hopper()) == "mma"
+
+
+@pytest.mark.parametrize(("tp", "batch", "expected"), [
+    (1, 256, WgmmaShape(1, 2, 1, True)), (1, 128, WgmmaShape(1, 2, 1, True)), (1, 64, WgmmaShape(1, 3, 1, False)),
+    (8, 256, WgmmaShape(1, 3, 1, False)), (1, 16, WgmmaShape(2, 3, 2, False)), (8, 64, WgmmaShape(2, 3, 2, False)),
+    (8, 16, WgmmaShape(4, 3, 2, False)), (1, 1, WgmmaShape(4, 3, 2, False))])
+def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: WgmmaShape) -> None:
+    assert choose_wgmma_shape(_fp8(batch, msa.MINIMAX_M3_TP[tp]), 132) == expected
+    config = CuteBackend(kernel="wgmma").config_for(_fp8(batch, msa.MINIMAX_M3_TP[tp]), torch.device("cpu"))
+    assert config.kernel == "wgmma"
+
+
+@pytest.mark.parametrize(("batch", "chosen"), [(64, True), (16, True), (8, False)])
+def test_auto_takes_the_wgmma_kernel_for_fp8_from_64_programs(batch: int, chosen: bool) -> None:
+    reasons = CuteBackend().extra_reasons(_fp8(batch), _hopper())
+    assert (not any("programs" in r for r in reasons)) == chosen
+    assert any("sm_90a" in r for r in CuteBackend().extra_reasons(_fp8(batch), attrs.evolve(_hopper(),
+                                                                                           capability=(10, 0))))
 
 
 def test_the_kernel_option_is_checked() -> None:

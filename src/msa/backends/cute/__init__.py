@@ -1,16 +1,19 @@
-"""The `cute` backend: NVFP4 (and, by name, fp8) sparse decode in a kernel written with the CuTe DSL
-(`nvidia-cutlass-dsl`, an optional dependency: `pip install nvidia-cutlass-dsl`), compiled on
-first use for the GPU it runs on. Hopper and later (compute capability >= 9.0), NVFP4 head-slot
-and fp8 caches, head dim 128, pages of a multiple of 16 tokens, top-k <= 32, any query length 1..32,
-any GQA group, bf16 / f16 / fp8 queries, natural-log LSE.
+"""The `cute` backend: sparse decode in kernels written with the CuTe DSL (`nvidia-cutlass-dsl`, an
+optional dependency: `pip install nvidia-cutlass-dsl`), compiled on first use for the GPU they run
+on. Compute capability >= 9.0, NVFP4 head-slot and fp8 caches, head dim 128, pages of a multiple
+of 16 tokens, top-k <= 32, any query length 1..32, any GQA group, bf16 / f16 / fp8 queries,
+natural-log LSE. Two kernels:
 
-The kernel decodes each thread's share of the code bytes straight into tensor-core operand
-registers (`kernel.py` says how); the Triton backend stays the portable default. `auto` takes
-this backend for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs, eager or
-captured in CUDA graphs alike (launches pack their own arguments: `fastcall`), except
-multi-token steps the Triton dedup kernel serves, where it measured faster than the Triton
-kernel (1.3x at B = 64 and 256 on the H200), on Hopper only (it was measured nowhere else);
-requested by name it runs any step it supports."""
+- "mma" (`kernel.py`): each thread decodes its share of the code bytes straight into `mma.sync`
+  operand registers; NVFP4 (and fp8 by name, or where the other cannot serve).
+- "wgmma" (`sm90.py`): a TMA ring and WGMMA on sm_90a, for fp8 caches with pages of a multiple
+  of 64 tokens; exact for bf16 / f16 queries (split into fp8 terms).
+
+`auto` takes this backend on Hopper for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV
+head) programs and for fp8 steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head, head
+chunk) programs, eager or captured in CUDA graphs alike (launches pack their own arguments:
+`fastcall`), except multi-token steps the Triton dedup kernel serves; the Triton backend stays
+the portable default. Requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -30,16 +33,17 @@ from msa.backends.cute.config import (
     KERNELS,
     KINDS,
     VERIFIED_DSL_VERSIONS,
+    WGMMA_AUTO_MIN_PROGRAMS,
     WGMMA_FUSED_MERGE,
     WGMMA_LAG,
-    WGMMA_STAGES,
-    WGMMA_VREG,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
+    choose_wgmma_shape,
     choose_wgmma_splits,
     max_stages,
     programs,
+    wgmma_programs,
     wgmma_serves,
 )
 from msa.backends.triton.config import dedup_wanted, uses_dedup
@@ -74,16 +78,22 @@ class CutePlan:
 
 
 class CuteBackend(Backend[CutePlan]):
-    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+)."""
+    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8 decode with a
+    TMA ring and WGMMA on Hopper (sm_90a).
+
+    Options (None: the measured choice): `num_splits`, `stages`, `kernel` ("mma" / "wgmma"),
+    `qk_chains` and `min_ctas` ("mma"), `fused`, `lag`, `wgs` and `vreg` ("wgmma":
+    `sm90.Sm90Spec` says what each does)."""
 
     name = "cute"
-    description = "CuTe DSL NVFP4 kernel (nvidia-cutlass-dsl; compute capability >= 9.0)"
+    description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): NVFP4 with mma.sync, "
+                   "fp8 with TMA + WGMMA on sm_90a")
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         min_capability=(9, 0),
         packages=("cutlass_dsl",),
         kv_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
-        auto_layouts=frozenset({"nvfp4"}),
+        auto_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         head_dims=frozenset({128}),
         query_lens=(1, 32),
@@ -116,9 +126,18 @@ class CuteBackend(Backend[CutePlan]):
         if not problem.vector_aligned:
             reasons.append("q/out rows not 4-byte or cache pages not 16-byte aligned (it loads them as vectors; the "
                            "triton backend takes any alignment)")
-        if not requested and programs(problem) < AUTO_MIN_PROGRAMS:
+        fp8 = problem.kv_layout == "fp8_e4m3"
+        if not requested and not fp8 and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
+        if not requested and fp8:
+            why = wgmma_serves(problem, platform.capability)
+            if why is not None:
+                reasons.append(f"auto: fp8 only where the wgmma kernel serves ({why}; the mma kernel is slower "
+                               "than Triton's on fp8)")
+            elif wgmma_programs(problem) < WGMMA_AUTO_MIN_PROGRAMS:
+                reasons.append(f"auto: fewer than {WGMMA_AUTO_MIN_PROGRAMS} (row, KV head, head chunk) programs, "
+                               "where the Triton kernel measured as fast or faster")
         version = dsl_version()
         unverified = version is not None and version not in VERIFIED_DSL_VERSIONS
         if not requested and not problem.graph_capture and unverified:
@@ -144,10 +163,16 @@ class CuteBackend(Backend[CutePlan]):
         platform = detect(device)
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
-            stages, wgs = self.stages or WGMMA_STAGES, self.wgs or 1
-            vreg = WGMMA_VREG if self.vreg is None else self.vreg
-            return CuteConfig(num_splits=self.num_splits or choose_wgmma_splits(problem, sm_count, stages, wgs, vreg),
-                              stages=stages, kernel="wgmma",
+            shape = choose_wgmma_shape(problem, sm_count)
+            stages, wgs = self.stages or shape.stages, self.wgs or shape.wgs
+            vreg = shape.vreg if self.vreg is None else self.vreg
+            if self.num_splits is not None:
+                splits = self.num_splits
+            elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
+                splits = shape.num_splits
+            else:  # a shape of the caller's: splits that fill its CTA slots once
+                splits = choose_wgmma_splits(problem, sm_count, stages, wgs, vreg)
+            return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
                               vreg=vreg)

@@ -13,7 +13,8 @@ __all__ = [
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
     "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "WGMMA_VREG", "wgmma_serves", "wgmma_heads",
     "wgmma_programs",
-    "choose_wgmma_splits", "wgmma_ctas_per_sm",
+    "choose_wgmma_splits", "wgmma_ctas_per_sm", "WgmmaShape", "choose_wgmma_shape",
+    "WGMMA_AUTO_MIN_PROGRAMS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -154,6 +155,42 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False) -> int:
     are read into registers, `vreg`), plus ~6 KiB for the CTA (q terms, tables): 4 at (2 stages,
     1 warpgroup), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2); with `vreg` 4 at (3, 1)."""
     return max(1, (227 * 1024) // (wgs * (stages * 16384 + (2048 if vreg else 18432)) + 6144))
+
+
+#: fp8 steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton
+#: kernel (H200, bench_cute.py: M3 TP8 B = 16, 16 programs: Triton 15.2 us, wgmma 15.7; B = 1
+#: at TP1, 4 programs: 12.0 against 17.0; TP1 B = 16, 64 programs: 30.6 against 25.5).
+WGMMA_AUTO_MIN_PROGRAMS = 64
+
+
+@attrs.frozen
+class WgmmaShape:
+    """How the wgmma kernel walks a step: splits, ring stages, warpgroups, values in registers."""
+
+    num_splits: int
+    stages: int
+    wgs: int
+    vreg: bool
+
+
+def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
+    """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP8 fp8 at 64K):
+
+    - more programs than 3 CTAs per SM hold (TP1 B = 256: 1024): 2 stages, values in registers,
+      4 CTAs per SM, one split — 145.1 us against 162.7 for 3 stages (Triton 172.6);
+    - one to three per SM (TP1 B = 64, TP8 B = 256: 256): 3 stages, one split — 50.2 / 48.2 us
+      (vreg 50.5 / 49.0, two splits 55.8-67.5; Triton 52.6 / 53.6);
+    - fewer programs than SMs (TP1 B = 16, TP8 B = 16 / 64): two warpgroups per CTA, 3 stages,
+      splits up to one CTA per SM (each warpgroup keeping 4 tiles) — 25.5 / 15.7 / 22.8 us
+      against 33.7 / 16.2 / 24.9 with one warpgroup and splits filling 3 CTAs per SM."""
+    programs = max(wgmma_programs(problem), 1)
+    g = problem.geometry
+    tiles = g.topk * g.page_size // 64
+    if programs > 3 * sm_count:
+        return WgmmaShape(1, 2, 1, True)
+    if programs >= sm_count:
+        return WgmmaShape(1, 3, 1, False)
+    return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False)
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = WGMMA_STAGES, wgs: int = 1,
