@@ -112,6 +112,13 @@ def test_auto_takes_the_wgmma_kernel_for_fp8_from_64_programs(batch: int, chosen
                                                                                            capability=(10, 0))))
 
 
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+def test_auto_leaves_multi_token_steps_to_dedup_only_where_it_measured_faster(layout: str) -> None:
+    problem = attrs.evolve(_problem(64, query_len=4), kv_layout=layout)
+    declined = any("dedup" in r for r in CuteBackend().extra_reasons(problem, _hopper()))
+    assert declined == (layout == "nvfp4")
+
+
 def test_the_kernel_option_is_checked() -> None:
     with pytest.raises(MSAInputError, match=r"^kernel: expected one of 'mma', 'wgmma', got 'tma'"):
         CuteBackend(kernel="tma")
