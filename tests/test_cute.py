@@ -119,6 +119,31 @@ def test_auto_leaves_multi_token_steps_to_dedup_only_where_it_measured_faster(la
     assert declined == (layout == "nvfp4")
 
 
+@pytest.mark.parametrize(("dtype", "terms", "exact_from", "exponents"),
+                         [(torch.bfloat16, 2, 2**-9, (-20, 20)), (torch.float16, 3, 2**-6, (-8, 10))])
+def test_the_fp8_terms_of_a_query_hold_it_exactly(dtype: torch.dtype, terms: int, exact_from: float,
+                                                  exponents: tuple[int, int]) -> None:
+    """The premise of the wgmma kernel's scores (`sm90.py`), on fresh random queries of every
+    magnitude: a head scaled by 2^(7 - floor(log2 max|q|)) and split into e4m3 terms (`terms` per
+    dtype, each the rounded remainder of the ones before) sums back to itself exactly for every
+    element from `exact_from` of the head's largest up (bf16: 2^-9, f16: 2^-6), and within 2^-17
+    of the head's largest below that. (One term fewer fails.)"""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    scale = torch.exp2(torch.randint(*exponents, (512, 1), generator=gen).float())
+    q = (torch.randn(512, 128, generator=gen) * scale).to(dtype).float()
+    amax = q.abs().amax(1, keepdim=True)
+    x = q * torch.exp2(7 - torch.floor(torch.log2(amax)))
+    rest, total = x.clone(), torch.zeros_like(x)
+    for _ in range(terms):
+        term = rest.to(torch.float8_e4m3fn).float()
+        total, rest = total + term, rest - term
+    largest = x.abs().amax(1, keepdim=True)
+    assert ((largest >= 128) & (largest < 256)).all()
+    big = x.abs() >= exact_from * largest
+    assert torch.equal(total[big], x[big])
+    assert ((total - x).abs() <= 2**-17 * largest).all()
+
+
 def test_the_kernel_option_is_checked() -> None:
     with pytest.raises(MSAInputError, match=r"^kernel: expected one of 'mma', 'wgmma', got 'tma'"):
         CuteBackend(kernel="tma")
