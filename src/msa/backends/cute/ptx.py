@@ -15,7 +15,8 @@ from cutlass.cutlass_dsl import T
 
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_b32_plain",
-    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "e4m3_v_words", "e4m3x2_scale",
+    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_v_pairs",
+    "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
     "any",
@@ -145,6 +146,21 @@ def nvfp4_v_words(word_a: Any, word_b: Any, scale: Any) -> list[Int32]:
     return _i32(8, "{.reg .b32 t, la, ha, lb, hb, p, f0, f1; .reg .b16 x0, x1; " + body_a + " " + body_b
                    + "".join(cvt) + "}",
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", word_a, word_b, scale)
+
+
+def nvfp4_v_pairs(codes: Any, scale: Any) -> list[Int32]:
+    """Two code bytes of token a (bytes 0-1: elements 0..3) and two of token b (bytes 2-3) ->
+    four f16x2 registers, element i of both tokens in register i (a in the low half), times the
+    f16x2 `scale` (a's block scale low, b's high)."""
+    body = _NIBBLES.replace("$W", "$4")
+    return _i32(4, "{.reg .b32 t, lo, hi, p, q; .reg .b16 x0, x1, y0, y1; .reg .b32 f0, f1, f2, f3; " + body
+                   + " prmt.b32 p, lo, hi, 0x6420; prmt.b32 q, lo, hi, 0x7531;"
+                   " mov.b32 {x0, x1}, p; mov.b32 {y0, y1}, q;"
+                   " cvt.rn.f16x2.e4m3x2 f0, x0; cvt.rn.f16x2.e4m3x2 f1, x1;"
+                   " cvt.rn.f16x2.e4m3x2 f2, y0; cvt.rn.f16x2.e4m3x2 f3, y1;"
+                   " mul.rn.f16x2 $0, f0, $5; mul.rn.f16x2 $1, f1, $5; mul.rn.f16x2 $2, f2, $5;"
+                   " mul.rn.f16x2 $3, f3, $5;}",
+                "=r,=r,=r,=r,r,r", codes, scale)
 
 
 def e4m3_v_words(word_a: Any, word_b: Any) -> list[Int32]:
@@ -348,6 +364,9 @@ def bar_red_or(pred: Any, barrier: Any = 0, threads: int = 0) -> Int32:
                 + ", p; selp.b32 $0, 1, 0, q;}", "=r,r,r", pred, Int32(barrier), side=True)[0]
 
 
-def prmt(a: Any, b: Any, selector: int) -> Int32:
-    """`prmt.b32`: bytes of (a, b) (a: 0-3, b: 4-7) picked by the selector's nibbles."""
-    return _i32(1, f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", a, b)[0]
+def prmt(a: Any, b: Any, selector: Any) -> Int32:
+    """`prmt.b32`: bytes of (a, b) (a: 0-3, b: 4-7) picked by the selector's nibbles (a constant,
+    or a register)."""
+    if isinstance(selector, int):
+        return _i32(1, f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", a, b)[0]
+    return _i32(1, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", a, b, Int32(selector))[0]

@@ -1,30 +1,41 @@
-"""The Hopper-native fp8 sparse-decode kernel (CuTe DSL; TMA + WGMMA; sm_90a). Import only where
-`nvidia-cutlass-dsl` is installed.
+"""The Hopper-native sparse-decode kernel (CuTe DSL; TMA + WGMMA; sm_90a), for fp8 and NVFP4
+caches. Import only where `nvidia-cutlass-dsl` is installed.
 
-A CTA of one warpgroup serves one (row, KV head, chunk of `nc` query heads, split). Its selected
-pages are walked as 64-token tiles:
+A CTA of one or two consumer warpgroups serves one (row, KV head, chunk of `nc` query heads,
+split). Its selected pages are walked as 64-token tiles:
 
-- **TMA ring.** Warp 0 keeps `stages - 1` tiles in flight: each tile is two TMA tile copies (its
-  64 keys and its 64 values, straight from the cache's `[page, head, token, dim]` strides) into a
-  128-byte-swizzled shared-memory stage, completed on the stage's `full` mbarrier; consumers
-  release a stage on its `empty` mbarrier.
-- **Scores on the tensor cores in fp8, exact for bf16 / f16 queries.** The keys are the A operand
-  (`wgmma` M = the tile's 64 tokens), the query heads the B operand (N = `nc`, the GQA group).
-  The query is split once per CTA into fp8 terms, `q * 2^e_h = t_0 + t_1 (+ t_2)` with a power of
-  two per head that puts its largest element in [128, 256): two fp8 terms hold a bf16 value
-  exactly (a third an f16 value), so the summed fp8 products equal the bf16/f16 product up to f32
-  accumulation (elements below 2^-9 of the head's largest lose their last bits). An fp8 query is
-  one term, as given.
+- **TMA ring.** Warp 0 of each warpgroup keeps `stages - 1` tiles in flight, straight from the
+  cache's `[page, head, token]` strides into a shared-memory stage, completed on the stage's
+  `full` mbarrier; the consumers release a stage on its `empty` mbarrier. An fp8 tile is two
+  copies (64 keys, 64 values; 128-byte swizzle); an NVFP4 tile is four (the keys' and the
+  values' E2M1 codes, 64-byte swizzle, and their E4M3 block scales: 9 KiB in all).
+- **Scores on the tensor cores** (`wgmma` M = the tile's 64 tokens, N = `nc`, the GQA group).
+  fp8: the keys are the A operand in shared memory and the query is split once per CTA into fp8
+  terms, `q * 2^e_h = t_0 + t_1 (+ t_2)`, with a power of two per head that puts its largest
+  element in [128, 256). Two terms hold every bf16 element from 2^-9 of the head's largest up
+  exactly, three every f16 element from 2^-6 up (below that, within 2^-17 of the largest:
+  `tests/test_cute.py`); an fp8 query is one term, as given. The terms' products are summed by
+  the tensor core's fp8 accumulation, which is not full f32 on Hopper: measured against the
+  float64 oracle it adds ~1e-3 relative error to the output (benchmarks/precision.py).
+  `kreg` (always for NVFP4): each thread decodes its keys from the tile straight into f16
+  A-operand registers (fp8 exactly; NVFP4 codes times their block scales, exact in f16), and the
+  query is one f16 term (bf16 scaled by the same power of two: exact from 2^-21 of the head's
+  largest; f16 and fp8 as given), so the product is an f16 one with f32 accumulation: exact. The
+  head dimensions of the key registers are a permutation (a thread's elements of a token are
+  one contiguous run: 16 NVFP4 code bytes, 32 fp8 bytes), applied to the query's columns too.
 - **Softmax per head** (online, base 2) with the tile's exact maximum: each warp's column maxima
   meet in shared memory behind one barrier. The accumulator is rescaled only when a head's
   maximum moved. Tokens past the row's visible length score -inf and their values are zeroed
-  before the product (whatever bytes they hold).
-- **Values.** The fp8 value tile is converted to f16 into a second, MN-major operand buffer and
-  the probabilities are stored as f16: `O^T += V^T P^T` (`wgmma` M = head dim, N = `nc`), issued
-  asynchronously and overlapping the next tile's copy wait and scores.
+  before the product (whatever bytes they hold: an NVFP4 token's block scales are zeroed).
+- **Values.** `O^T += V^T P^T` (`wgmma` M = head dim, N = `nc`) with f16 probabilities in shared
+  memory, issued asynchronously and overlapping the next tile's copy wait and scores. The value
+  operand is either an f16 copy of the fp8 tile in shared memory, or (`vreg`; always for NVFP4)
+  decoded from the tile straight into A-operand registers, the product's rows a permutation of
+  the head dimensions undone in the epilogue.
 
 One split writes the normalised output (and LSE); several write the Triton backend's workspace
-partials, which its merge kernel combines.
+partials, which its merge kernel combines, or (`fused`) the last split of a program to finish
+merges them itself.
 """
 
 from __future__ import annotations
@@ -42,13 +53,14 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from msa.backends.cute import ptx
+from msa.backends.cute.config import Q_TERMS
 
-__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS"]
+__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS"]
 
 #: Tokens per tile (the score product's M, a TMA box's rows).
 TILE = 64
-#: fp8 terms of the query per query dtype (exact for bf16 with two, for f16 with three).
-Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
+#: The caches the kernel reads.
+CACHE_KINDS = ("fp8", "nvfp4")
 _THREADS = 128
 _NEG_INF = float("-inf")
 #: With `lag`, the weights of a tile are 2^(s - the maximum through the previous tiles); a tile
@@ -79,7 +91,12 @@ class Sm90Spec:
         vreg: the values are the second product's A operand in registers, each thread reading
             its four head dimensions of a token with one 4-byte shared load straight from the TMA
             tile (the product's rows are a permutation of the head dimensions, undone in the
-            epilogue) instead of an f16 copy of the tile in shared memory.
+            epilogue) instead of an f16 copy of the tile in shared memory. Required for NVFP4.
+        kind: the cache, "fp8" (E4M3 keys and values) or "nvfp4" (head slots of E2M1 codes and
+            E4M3 block scales).
+        kreg: the keys are decoded from the tile into the score product's f16 A registers and
+            the query is one f16 term (an f16 product with f32 accumulation: exact for bf16 and
+            f16 queries) instead of the fp8 product of the query's fp8 terms. Always for NVFP4.
     """
 
     page_size: int
@@ -94,6 +111,8 @@ class Sm90Spec:
     min_ctas: int = 0
     wgs: int = 1
     vreg: bool = False
+    kind: str = "fp8"
+    kreg: bool = False
 
 
 def _flag(cond: Any) -> Any:
@@ -122,6 +141,16 @@ def _f32_of_bf16_pair(word: Any) -> tuple[Any, Any]:
     return lo, hi
 
 
+def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: Any, tile: Any, head: Any,
+           page: Any) -> None:
+    """Start the TMA copies of one tile (tile `tile` of page `page`, KV head `head`) into ring
+    stage `slot`, completing on its `full` mbarrier `bar` (warp 0 of a warpgroup issues)."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, tx_bytes)
+    for atom, s_part, g_part in copies:
+        cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar)
+
+
 def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     """The `@cute.jit` host function of `spec`'s kernel, with the argument list of the `cute`
     backend's other kernel (`config.HOST_ARG_KINDS`)."""
@@ -129,10 +158,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     P = spec.page_size
     if P % TILE:
         raise ValueError(f"page size {P} is not a multiple of {TILE}")
+    if spec.kind not in CACHE_KINDS:
+        raise ValueError(f"cache kind {spec.kind!r} is not one of {CACHE_KINDS}")
+    NVFP4 = spec.kind == "nvfp4"
+    if NVFP4 and not spec.vreg:
+        raise ValueError("the NVFP4 kernel decodes the values into registers (vreg)")
+    if spec.stages < 2 or spec.wgs not in (1, 2):
+        raise ValueError(f"stages {spec.stages} (>= 2) / wgs {spec.wgs} (1 or 2)")
     HALVES = P // TILE
     NC = spec.nc
     ST = spec.stages
-    TERMS = Q_TERMS[spec.q_kind]
+    KREG = spec.kreg or NVFP4  # keys in f16 registers, one f16 query term
+    TERMS = 1 if KREG else Q_TERMS[spec.q_kind]
     LAG = spec.lag
     WGS = spec.wgs
     VREG = spec.vreg
@@ -141,6 +178,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     LPR = D // EPT  # threads per q row
     Q_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}[spec.q_kind]
     OROW = D + 4  # staged output row (floats), padded
+    CODE = D // 2  # NVFP4 code bytes a token
+    STAGE_BYTES = TILE * (CODE if NVFP4 else D)  # one stage of the key (or value) ring
+    SCALE_BYTES = TILE * D // 16  # NVFP4 block scales of a tile
     final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
     fp8 = cutlass.Float8E4M3FN
     f16 = cutlass.Float16
@@ -149,8 +189,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
     @cute.kernel
     def kernel(tma_k: cute.CopyAtom, gK: cute.Tensor, tma_v: cute.CopyAtom, gV: cute.Tensor,
+               tma_ks: cute.CopyAtom, gKs: cute.Tensor, tma_vs: cute.CopyAtom, gVs: cute.Tensor,
                qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, kv_layout: cute.ComposedLayout,
                vb_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout,
+               sc_layout: cute.Layout,
                q: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
                out: Int64, lse: Int64, part_o: Int64, part_ml: Int64,
                sm_p: Int64, qs_p: Int64, ks_p: Int64, vs_p: Int64, qk_scale: Float32, v_scale: Float32,
@@ -162,6 +204,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         pid, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
+        g = lane // 4
+        t4 = lane % 4
         wg = tid // _THREADS  # the consumer warpgroup
         wtid = tid % _THREADS
         wwarp = warp % 4
@@ -175,7 +219,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         full = st.full.data_ptr()
         empty = st.empty.data_ptr()
         tile_page = st.tile_page.get_tensor(cute.make_layout(NTMAX))
-        tile_tok = st.tile_tok.get_tensor(cute.make_layout(NTMAX))
+        tile_idx = st.tile_idx.get_tensor(cute.make_layout(NTMAX))  # the tile's index in its page
         tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))
         count = st.count.get_tensor(cute.make_layout(4))
         colmax = st.colmax.get_tensor(cute.make_layout((4, 2 * NC * WGS)))  # [warp, (wg, tile % 2, head)]
@@ -184,7 +228,6 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         mfin = st.mfin.get_tensor(cute.make_layout(NC * WGS))
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-        sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
         sK = st.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = st.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
 
@@ -195,6 +238,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     cute.arch.mbarrier_init(empty + s, 1)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(NVFP4):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_ks)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_vs)
         cute.arch.mbarrier_init_fence()
 
         b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
@@ -224,7 +270,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     if left > TILE:
                         left = Int32(TILE)
                     tile_page[first + t] = page
-                    tile_tok[first + t] = Int32(t * TILE)
+                    tile_idx[first + t] = Int32(t)
                     tile_vis[first + t] = left
             total_tiles = ptx.shfl_idx_i32(incl, 31)
             if lane == 0:
@@ -233,8 +279,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # the scale factors: host floats times the tensor scales (a plan-owned 1.0 for a float one)
         qk = qk_scale * ptx.ld_f32(sm_p, Int32(1)) * ptx.ld_f32(qs_p, Int32(1)) * ptx.ld_f32(ks_p, Int32(1))
         vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
+        # the decoded NVFP4 codes are the E2M1 values times 2^-6: the scores' factor takes the 64,
+        # and the values' is applied to this CTA's output (the partials are in true units)
+        v_fix = Float32(64.0) if NVFP4 else Float32(1.0)
+        qk = qk * v_fix
 
-        # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms
+        # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms, or one
+        # f16 term (KREG)
         qr = wtid // LPR  # (every warpgroup writes the same q terms)
         k0 = (wtid % LPR) * EPT
         q_ok = _flag(gc * NC + qr < group)
@@ -255,7 +306,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 for i in cutlass.range_constexpr(4):
                     xs[4 * w + i] = vals[i]
         scale = Float32(1.0)
-        if cutlass.const_expr(TERMS > 1):
+        if cutlass.const_expr(TERMS > 1 or (KREG and q_kind == "bf16")):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(EPT):
                 amax = ptx.fmax(amax, ptx.fmax(xs[i], -xs[i]))
@@ -264,14 +315,22 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             scale = ptx.pow2_scale(amax)  # 2^(7 - floor(log2 amax)), 1 for 0
             for i in cutlass.range_constexpr(EPT):
                 xs[i] = xs[i] * scale
-        sQ_rows = cute.make_tensor(sQ.iterator, sQ.layout)
-        for t in cutlass.range_constexpr(TERMS):
-            term = cute.make_rmem_tensor(cute.make_layout(EPT), fp8)
-            term.store(xs.load().to(fp8))
-            if cutlass.const_expr(t + 1 < TERMS):
-                xs.store(xs.load() - term.load().to(Float32))
+        if cutlass.const_expr(KREG):
+            # element d of the head goes to column 16 j + 2 t + d % 2 + 8 (d % 4 // 2) of the
+            # product's k-steps, where t = d // 32 and j = d % 32 // 4 (the keys' register order)
+            term = cute.make_rmem_tensor(cute.make_layout(EPT), f16)
+            term.store(xs.load().to(f16))
             for i in cutlass.range_constexpr(EPT):
-                sQ_rows[qr, k0 + i, t] = term[i]
+                dq = k0 + i
+                sQ[qr, 16 * (dq % 32 // 4) + 2 * (dq // 32) + dq % 2 + 8 * (dq % 4 // 2), 0] = term[i]
+        else:
+            for t in cutlass.range_constexpr(TERMS):
+                term = cute.make_rmem_tensor(cute.make_layout(EPT), fp8)
+                term.store(xs.load().to(fp8))
+                if cutlass.const_expr(t + 1 < TERMS):
+                    xs.store(xs.load() - term.load().to(Float32))
+                for i in cutlass.range_constexpr(EPT):
+                    sQ[qr, k0 + i, t] = term[i]
         if wtid % LPR == 0:
             colscale[qr] = qk / scale
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -286,35 +345,76 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         sb = wg * ST
 
         # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
-        gKt = cute.flat_divide(gK, (TILE, D))[None, None, None, 0, None, None]
-        gVt = cute.flat_divide(gV, (TILE, D))[None, None, None, 0, None, None]
-        tKs, tKg = cute.nvgpu.cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                   cute.group_modes(gKt, 0, 2))
-        tVs, tVg = cute.nvgpu.cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                   cute.group_modes(gVt, 0, 2))
+        box = (TILE, CODE) if NVFP4 else (TILE, D)
+        copies = []
+        for atom, gsrc, sdst in ((tma_k, gK, sK), (tma_v, gV, sV)):
+            tiles_g = cute.flat_divide(gsrc, box)[None, None, None, 0, None, None]
+            copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                                   cute.group_modes(sdst, 0, 2),
+                                                                   cute.group_modes(tiles_g, 0, 2))))
+        if cutlass.const_expr(NVFP4):
+            sKs = st.sKs.get_tensor(sc_layout)
+            sVs = st.sVs.get_tensor(sc_layout)
+            for atom, gsrc, sdst in ((tma_ks, gKs, sKs), (tma_vs, gVs, sVs)):
+                tiles_g = cute.flat_divide(gsrc, (TILE // 16, 128))[None, None, None, 0, None, None]
+                copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                                       cute.group_modes(sdst, 0, 2),
+                                                                       cute.group_modes(tiles_g, 0, 2))))
 
         if wwarp == 0:
             for s in cutlass.range_constexpr(ST - 1):
                 if s < nloc:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + sb + s, tx_bytes)
-                    half = tile_tok[t0 + WGS * s] // TILE
-                    pg = tile_page[t0 + WGS * s]
-                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, sb + s)], tma_bar_ptr=full + sb + s)
-                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, sb + s)], tma_bar_ptr=full + sb + s)
+                    _issue(copies, full + sb + s, sb + s, tx_bytes, tile_idx[t0 + WGS * s], h,
+                           tile_page[t0 + WGS * s])
 
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
-        tSrK = qk_mma.make_fragment_A(qk_thr.partition_A(sK))
+        if cutlass.const_expr(KREG):
+            tSrK = qk_mma.make_fragment_A(qk_thr.partition_shape_A((TILE, D)))
+            tSrK32 = cute.recast_tensor(tSrK, Int32)  # f16 pairs (two elements of one token)
+        if cutlass.const_expr(NVFP4):
+            # the thread's shared addresses, swizzle applied: keys 16 w + g (+ 8) of a tile, its 16
+            # code bytes of each (chunk t4 of the row, moved by the 64-byte swizzle: bits 4-5 ^= bits
+            # 7-8, i.e. row // 2 % 4 = g // 2 for these rows) and the word of its two block scales
+            k_row = st.sK.data_ptr().toint() + (wwarp * 16 + g) * CODE + ((t4 ^ (g // 2)) * 16)
+            ks_row = st.sKs.data_ptr().toint() + (wwarp * 16 + g) * 8 + 4 * (t4 // 2)
+            # the values' block scales of tokens (2 t4, 2 t4 + 1) of a quad row, block 2 w + g // 4
+            vs_row = st.sVs.data_ptr().toint() + 4 * (2 * wwarp + g // 4) + 32 * (t4 // 2)
+            half_shift = 16 * (t4 % 2)  # the pair's two bytes in the loaded word
+        elif cutlass.const_expr(KREG):
+            # an fp8 key row: the thread's 32 bytes are chunks 2 t4 and 2 t4 + 1, moved by the
+            # 128-byte swizzle (bits 4-6 ^= bits 7-9, i.e. row % 8 = g for its rows 16 w + g (+ 8))
+            k_row = st.sK.data_ptr().toint() + (wwarp * 16 + g) * D
+            k_chunks = (((2 * t4) ^ g) * 16, ((2 * t4 + 1) ^ g) * 16)
+        else:
+            tSrK = qk_mma.make_fragment_A(qk_thr.partition_A(sK))
         tSrQ = qk_mma.make_fragment_B(qk_thr.partition_B(sQ))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE, NC)))
         accS = cute.make_rmem_tensor(tScS.shape, Float32)
         if cutlass.const_expr(VREG):
             tOrV = pv_mma.make_fragment_A(pv_thr.partition_shape_A((D, TILE)))
             tOrV32 = cute.recast_tensor(tOrV, Int32)  # f16 pairs (two tokens of one row)
-            v_base = st.sV.data_ptr().toint() + warp % 4 * 32 + lane // 4 * 4  # dims 32 w + 4 g .. + 3
+            # the thread's head dimensions of a token: 32 w + 4 g .. + 3 (one word of an fp8 row;
+            # two bytes of an NVFP4 one, in the word of dims 32 w + 8 (g // 2) .. + 7)
+            if cutlass.const_expr(NVFP4):
+                # key 16 kk + 2 t4 + ... of a tile: row // 2 % 4 = t4, so the swizzled chunk is w ^ t4
+                v_base = st.sV.data_ptr().toint() + ((wwarp ^ t4) * 16) + g // 2 * 4 + 2 * t4 * CODE
+                v_sel = Int32(0x5410) + (g % 2) * Int32(0x2222)  # (token a, token b)'s two bytes
+            else:
+                v_base = st.sV.data_ptr().toint() + wwarp * 32 + g * 4
         else:
+            sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
             tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
+            # fp8 value tile -> f16 operand: 8 elements (one token, 8 dims) per copy
+            cvt_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), fp8, num_bits_per_copy=64)
+            cvt = cute.make_tiled_copy_tv(cvt_atom, cute.make_ordered_layout((_THREADS // (D // 8), D // 8),
+                                                                             order=(1, 0)),
+                                          cute.make_layout((1, 8)))
+            cvt_thr = cvt.get_slice(wtid)
+            sVb_td = cute.make_tensor(sVb[None, None, wg].iterator,
+                                      cute.select(sVb[None, None, wg].layout, mode=[1, 0]))
+            vdst = cvt_thr.partition_D(sVb_td)
+            vcoord = cvt_thr.partition_S(cute.make_identity_tensor((TILE, D)))
         tOrP = pv_mma.make_fragment_B(pv_thr.partition_B(sP))[(None, None, None, wg)]
         tOcO = pv_thr.partition_C(cute.make_identity_tensor((D, NC)))
         accO = cute.make_rmem_tensor(tOcO.shape, Float32)
@@ -323,16 +423,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         NKQ = cute.size(tSrK, mode=[2])
         NS = cute.size(accS)
         NO = cute.size(accO)
-
-        # fp8 value tile -> f16 operand: 8 elements (one token, 8 dims) per copy
-        cvt_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), fp8, num_bits_per_copy=64)
-        cvt = cute.make_tiled_copy_tv(cvt_atom, cute.make_ordered_layout((_THREADS // (D // 8), D // 8), order=(1, 0)),
-                                      cute.make_layout((1, 8)))
-        cvt_thr = cvt.get_slice(wtid)
-        sVb_td = cute.make_tensor(sVb[None, None, wg].iterator, cute.select(sVb[None, None, wg].layout, mode=[1, 0]))
         sP_kh = cute.make_tensor(sP[None, None, wg].iterator, cute.select(sP[None, None, wg].layout, mode=[1, 0]))
-        vdst = cvt_thr.partition_D(sVb_td)
-        vcoord = cvt_thr.partition_S(cute.make_identity_tensor((TILE, D)))
 
         # the thread's scores are NS elements over NCOL columns (heads): element e is column
         # 2 (e // 4) + e % 2, row g or g + 8 (wgmma's accumulator layout)
@@ -351,6 +442,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             lcol[ci] = Float32(0.0)
         sv = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
         pk = cute.make_rmem_tensor(cute.make_layout(NS), Float32)
+        if cutlass.const_expr(KREG):  # the product of the "tile before the first": zeros
+            if cutlass.const_expr(VREG):
+                tOrV.fill(0.0)
+            else:
+                vzero = cute.make_rmem_tensor(cute.make_layout(cute.size(vdst, mode=[0])), f16)
+                vzero.fill(0.0)
+                for c in cutlass.range_constexpr(cute.size(vdst, mode=[1])):
+                    cute.autovec_copy(vzero, vdst[None, c, 0])
+            for e in cutlass.range_constexpr(NS):
+                sP_kh[tScS[e]] = f16(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            _wg_barrier(wg, WGS)
 
         for u in cutlass.range(nloc, unroll=1):
             stage = sb + u % ST
@@ -359,45 +462,96 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 if lu < nloc:
                     ls = sb + lu % ST
                     cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + ls, tx_bytes)
-                    half = tile_tok[t0 + WGS * lu] // TILE
-                    pg = tile_page[t0 + WGS * lu]
-                    cute.copy(tma_k, tKg[(None, half, h, pg)], tKs[(None, ls)], tma_bar_ptr=full + ls)
-                    cute.copy(tma_v, tVg[(None, half, h, pg)], tVs[(None, ls)], tma_bar_ptr=full + ls)
+                    _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu])
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
+            vis = tile_vis[t0 + WGS * u]
+
+            if cutlass.const_expr(NVFP4):
+                # the keys: tokens 16 w + g (+ 8) of the tile, each 16 code bytes (one load) and two
+                # block scales, decoded into the score product's f16 A registers
+                k_at = k_row + stage * STAGE_BYTES
+                ks_at = ks_row + stage * SCALE_BYTES
+                for hh in cutlass.range_constexpr(2):
+                    words = ptx.lds(k_at + hh * 8 * CODE, 4)
+                    sc = ptx.e4m3x4_to_f16x2(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift)[0]
+                    reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
+                    for w in cutlass.range_constexpr(4):
+                        regs = ptx.nvfp4_k_word(words[w], reps[w // 2])
+                        tSrK32[hh, 0, 2 * w] = regs[0]
+                        tSrK32[hh + 2, 0, 2 * w] = regs[1]
+                        tSrK32[hh, 0, 2 * w + 1] = regs[2]
+                        tSrK32[hh + 2, 0, 2 * w + 1] = regs[3]
+            elif cutlass.const_expr(KREG):
+                # the keys: tokens 16 w + g (+ 8), each the thread's 32 bytes (two loads); word j is
+                # k-step j's (elements 4 j .. 4 j + 3 of its share)
+                k_at = k_row + stage * STAGE_BYTES
+                for hh in cutlass.range_constexpr(2):
+                    words = ptx.lds(k_at + hh * 8 * D + k_chunks[0], 4) + ptx.lds(k_at + hh * 8 * D + k_chunks[1], 4)
+                    for j in cutlass.range_constexpr(8):
+                        pair = ptx.e4m3x4_to_f16x2(words[j])
+                        tSrK32[hh, 0, j] = pair[0]
+                        tSrK32[hh + 2, 0, j] = pair[1]
 
             # scores: S^T = K . (sum of the q terms)^T
             warpgroup.fence()
+            if cutlass.const_expr(KREG):
+                # the last tile's values (zeros before the first): issued here, after this tile's key
+                # registers are written, so that no register a wgmma reads is written while one is
+                # in flight (ptxas would serialise them all)
+                cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
             for t in cutlass.range_constexpr(TERMS):
                 for kk in cutlass.range_constexpr(NKQ):
                     qk_mma.set(warpgroup.Field.ACCUMULATE, t + kk > 0)
-                    cute.gemm(qk_mma, accS, tSrK[(None, None, kk, stage)], tSrQ[(None, None, kk, t)], accS)
+                    if cutlass.const_expr(KREG):
+                        cute.gemm(qk_mma, accS, tSrK[(None, None, kk)], tSrQ[(None, None, kk, t)], accS)
+                    else:
+                        cute.gemm(qk_mma, accS, tSrK[(None, None, kk, stage)], tSrQ[(None, None, kk, t)], accS)
             warpgroup.commit_group()
 
-            vis = tile_vis[t0 + WGS * u]
             if cutlass.const_expr(VREG):
-                # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its dims
-                # 32 w + 4 g .. + 3 in one word (the 128-byte swizzle moves 16-byte chunks only)
+                # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its word of
+                # the thread's dims (the 128-byte swizzle of an fp8 row, the 64-byte one of an
+                # NVFP4 row, moves 16-byte chunks only)
                 vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+                v_at = v_base + stage * STAGE_BYTES
                 for kk in cutlass.range_constexpr(4):
                     for j in cutlass.range_constexpr(4):
-                        key = 16 * kk + 2 * (lane % 4) + (j % 2) + 8 * (j // 2)
-                        addr = v_base + stage * (TILE * D) + key * D
-                        vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
-                        if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
-                            if key >= vis:
-                                vw[4 * kk + j] = Int32(0)
+                        key = 16 * kk + 2 * t4 + (j % 2) + 8 * (j // 2)
+                        if cutlass.const_expr(NVFP4):
+                            vw[4 * kk + j] = ptx.lds(v_at + (16 * kk + (j % 2) + 8 * (j // 2)) * CODE, 1)[0]
+                        else:
+                            addr = v_base + stage * STAGE_BYTES + key * D
+                            vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
+                            if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
+                                if key >= vis:
+                                    vw[4 * kk + j] = Int32(0)
+                if cutlass.const_expr(NVFP4):
+                    # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
+                    # token quads; a token past the row's end gets a zero scale (so zero values)
+                    vsc = cute.make_rmem_tensor(cute.make_layout(8), Int32)
+                    vs_at = vs_row + stage * SCALE_BYTES
+                    for kk in cutlass.range_constexpr(4):
+                        for half in cutlass.range_constexpr(2):
+                            bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
+                            if vis < TILE:
+                                bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
+                            vsc[2 * kk + half] = ptx.e4m3x4_to_f16x2(bits)[0]
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
                         wa, wb = vw[4 * kk + 2 * half], vw[4 * kk + 2 * half + 1]
-                        for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
-                            pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
-                            # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
-                            # row g + 8 h, tokens 2 t4 + 8 half (+1)
-                            tOrV32[half * 2, mb, kk] = pair[0]
-                            tOrV32[half * 2 + 1, mb, kk] = pair[1]
+                        # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
+                        # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
+                        # dim 32 w + 4 g + 2 mb + h
+                        if cutlass.const_expr(NVFP4):
+                            dims = ptx.nvfp4_v_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
+                            for i in cutlass.range_constexpr(4):
+                                tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
+                        else:
+                            for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
+                                pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
+                                tOrV32[half * 2, mb, kk] = pair[0]
+                                tOrV32[half * 2 + 1, mb, kk] = pair[1]
             else:
                 vsrc = cvt_thr.partition_S(sV[None, None, stage])
                 NCV = cute.size(vsrc, mode=[1])
@@ -479,10 +633,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         if tOcO[e][1] == tScS[4 * (ci // 2) + ci % 2][1]:
                             a = alpha[ci]
                     accO[e] = accO[e] * a
+            if cutlass.const_expr(not KREG):
+                warpgroup.fence()
+                cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
+                warpgroup.commit_group()
+
+        if cutlass.const_expr(KREG):  # the last tile's values
             warpgroup.fence()
             cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
             warpgroup.commit_group()
-
         warpgroup.wait_group(0)
 
         # per-head sums: the thread's two rows, the warp's eight lanes, then the four warps
@@ -497,8 +656,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if wtid < 4:
                 mfin[wg * NC + tScS[e][1]] = mcol[ci]
         # each warpgroup's output tile through shared memory (its own ring is idle now): rows = heads
-        sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
-                              cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, ST * TILE * D // 4)))
+        if cutlass.const_expr(NVFP4):  # a buffer of its own (a warpgroup's ring is smaller than its tile)
+            sO = st.sO.get_tensor(cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, NC * OROW)))
+        else:  # the warpgroup's own ring
+            sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
+                                  cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, ST * STAGE_BYTES // 4)))
         for e in cutlass.range_constexpr(NO):
             d = tOcO[e][0]
             if cutlass.const_expr(VREG):  # product row 64 mb + 16 w + 8 h + g is dim 32 w + 4 g + 2 mb + h
@@ -536,7 +698,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         row_ok = _flag(gc * NC + row < group) * _flag(wg == 0)
         qh = Int64(h * group + gc * NC + row)
         if cutlass.const_expr(final):
-            inv = ptx.inv_or_zero(l_all, vs)
+            inv = ptx.inv_or_zero(l_all, vs * v_fix)
             base = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
             for k in cutlass.range_constexpr(CW // 2):
                 ptx.st_b32(base + 4 * k, ptx.pack_out(ov[2 * k] * inv, ov[2 * k + 1] * inv,
@@ -545,6 +707,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
                            row_ok * _flag(c0 == 0))
         else:
+            if cutlass.const_expr(NVFP4):
+                for k in cutlass.range_constexpr(CW):
+                    ov[k] = ov[k] * v_fix
             prow = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
             base = part_o + (prow * D + c0) * 4
             for k in cutlass.range_constexpr(CW // 4):
@@ -602,45 +767,76 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
              stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
              num_rows: Int32, stream: cuda.CUstream) -> None:
         gmem = cute.AddressSpace.gmem
-        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, WGS * ST)
+        # a stage of keys (values): fp8 rows of D bytes, or NVFP4 rows of D / 2 code bytes
+        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, CODE if NVFP4 else D), fp8,
+                                                  WGS * ST)
+        # the NVFP4 block scales of a tile: 512 contiguous bytes, as 4 rows of 128
+        sc_layout = cute.make_layout((TILE // 16, 128, WGS * ST), stride=(128, 1, SCALE_BYTES))
         vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
         p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, WGS)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), fp8, TERMS)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), f16 if KREG else fp8, TERMS)
 
         n_st, n_tiles, n_c = WGS * ST, NTMAX, NC * WGS
+        n_vb = 8 if VREG else cute.cosize(vb_layout)
+        n_sc = WGS * ST * SCALE_BYTES if NVFP4 else 16
+        n_o = WGS * NC * OROW if NVFP4 else 4
+
         @cute.struct
         class Storage:
             full: cute.struct.MemRange[Int64, n_st]
             empty: cute.struct.MemRange[Int64, n_st]
             tile_page: cute.struct.MemRange[Int32, n_tiles]
-            tile_tok: cute.struct.MemRange[Int32, n_tiles]
+            tile_idx: cute.struct.MemRange[Int32, n_tiles]
             tile_vis: cute.struct.MemRange[Int32, n_tiles]
             count: cute.struct.MemRange[Int32, 4]
             colmax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * n_c], 16]
             colscale: cute.struct.MemRange[Float32, n_c]
             lsum: cute.struct.MemRange[Float32, 4 * n_c]
             mfin: cute.struct.MemRange[Float32, n_c]
-            sQ: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(q_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[f16 if KREG else fp8, cute.cosize(q_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
-            sVb: cute.struct.Align[cute.struct.MemRange[f16, 8 if VREG else cute.cosize(vb_layout)], 1024]
+            sVb: cute.struct.Align[cute.struct.MemRange[f16, n_vb], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
+            sKs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
+            sVs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[Float32, n_o], 16]
         built["storage"] = Storage
 
-        k_view = cute.make_tensor(cute.make_ptr(fp8, k_base, gmem, assumed_align=16),
-                                  cute.make_layout((P, D, num_kv_heads, num_pages),
-                                                   stride=(stride_kt, 1, stride_kh, stride_kp)))
-        v_view = cute.make_tensor(cute.make_ptr(fp8, v_base, gmem, assumed_align=16),
-                                  cute.make_layout((P, D, num_kv_heads, num_pages),
-                                                   stride=(stride_vt, 1, stride_vh, stride_vp)))
-        one = cute.slice_(kv_layout, (None, None, 0))
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, k_view, one, (TILE, D))
-        tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
-        tx_bytes = 2 * cute.size_in_bytes(fp8, one)
-        qk_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
-                                                   cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                   tiler_mn=(TILE, NC))
+        one = cute.slice_(kv_layout, (None, None, 0))
+        if cutlass.const_expr(NVFP4):
+            # a head slot: P rows of D / 2 code bytes, then the P * D / 16 block-scale bytes
+            views = [cute.make_tensor(cute.make_ptr(fp8, base + offset, gmem, assumed_align=16),
+                                      cute.make_layout(shape, stride=(row, 1, sh, sp)))
+                     for base, sh, sp in ((k_base, stride_kh, stride_kp), (v_base, stride_vh, stride_vp))
+                     for offset, shape, row in ((0, (P, CODE, num_kv_heads, num_pages), CODE),
+                                                (P * CODE, (P // 16, 128, num_kv_heads, num_pages), 128))]
+            one_sc = cute.slice_(sc_layout, (None, None, 0))
+            tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[0], one, (TILE, CODE))
+            tma_ks, gKs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[1], one_sc, (TILE // 16, 128))
+            tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[2], one, (TILE, CODE))
+            tma_vs, gVs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[3], one_sc, (TILE // 16, 128))
+            tx_bytes = 2 * (cute.size_in_bytes(fp8, one) + cute.size_in_bytes(fp8, one_sc))
+        else:
+            k_view = cute.make_tensor(cute.make_ptr(fp8, k_base, gmem, assumed_align=16),
+                                      cute.make_layout((P, D, num_kv_heads, num_pages),
+                                                       stride=(stride_kt, 1, stride_kh, stride_kp)))
+            v_view = cute.make_tensor(cute.make_ptr(fp8, v_base, gmem, assumed_align=16),
+                                      cute.make_layout((P, D, num_kv_heads, num_pages),
+                                                       stride=(stride_vt, 1, stride_vh, stride_vp)))
+            tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, k_view, one, (TILE, D))
+            tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
+            tma_ks, gKs, tma_vs, gVs = tma_k, gK, tma_v, gV  # (no scales: never copied)
+            tx_bytes = 2 * cute.size_in_bytes(fp8, one)
+        if cutlass.const_expr(KREG):  # f16 keys (decoded into registers) and an f16 query
+            qk_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K,
+                                                       cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                       tiler_mn=(TILE, NC), a_source=warpgroup.OperandSource.RMEM)
+        else:
+            qk_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
+                                                       cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                       tiler_mn=(TILE, NC))
         pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K if VREG
                                                    else cute.nvgpu.OperandMajorMode.MN,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
@@ -648,12 +844,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                    a_source=warpgroup.OperandSource.RMEM if VREG
                                                    else warpgroup.OperandSource.SMEM)
         grid = [num_rows * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
-        kernel(tma_k, gK, tma_v, gV, qk_mma, pv_mma, kv_layout, vb_layout, p_layout, q_layout, q, topk, table,
-               row_request, q_pos, out, lse, part_o, part_ml,
+        kernel(tma_k, gK, tma_v, gV, tma_ks, gKs, tma_vs, gVs, qk_mma, pv_mma, kv_layout, vb_layout, p_layout,
+               q_layout, sc_layout, q, topk, table, row_request, q_pos, out, lse, part_o, part_ml,
                sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
                num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(
             grid=grid, block=[_THREADS * WGS, 1, 1], stream=stream,
             min_blocks_per_mp=spec.min_ctas)
 
+    host.built = built  # type: ignore[attr-defined]  # the shared-memory struct, once traced (tests size it)
     return host
