@@ -5,9 +5,12 @@ of 16 tokens, top-k <= 32, any query length 1..32, any GQA group, bf16 / f16 / f
 natural-log LSE. Two kernels:
 
 - "mma" (`kernel.py`): each thread decodes its share of the code bytes straight into `mma.sync`
-  operand registers; NVFP4 (and fp8 by name, or where the other cannot serve).
-- "wgmma" (`sm90.py`): a TMA ring and WGMMA on sm_90a, for fp8 caches with pages of a multiple
-  of 64 tokens; exact for bf16 / f16 queries (split into fp8 terms).
+  operand registers; any page size of a multiple of 16, and compute capability 10.x (by name, or
+  where the other cannot serve).
+- "wgmma" (`sm90.py`): a TMA ring and WGMMA on sm_90a, for fp8 and NVFP4 caches with pages of a
+  multiple of 64 tokens (fp8: the query split into fp8 terms, or with `kreg` the keys decoded into
+  f16 registers for an exact product; NVFP4: keys and values decoded into f16 operand
+  registers). The default wherever it serves.
 
 `auto` takes this backend on Hopper for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV
 head) programs and for fp8 steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head, head
@@ -33,9 +36,14 @@ from msa.backends.cute.config import (
     DEFAULT_STAGES,
     KERNELS,
     KINDS,
+    Q_KINDS,
+    Q_TERMS,
+    SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
     WGMMA_AUTO_MIN_PROGRAMS,
+    WGMMA_DEFAULT_LAYOUTS,
     WGMMA_FUSED_MERGE,
+    WGMMA_KINDS,
     WGMMA_LAG,
     CuteConfig,
     choose_min_ctas,
@@ -44,8 +52,10 @@ from msa.backends.cute.config import (
     choose_wgmma_splits,
     max_stages,
     programs,
+    wgmma_heads,
     wgmma_programs,
     wgmma_serves,
+    wgmma_smem_bytes,
 )
 from msa.backends.triton.config import dedup_wanted, uses_dedup
 from msa.errors import MSAInputError
@@ -78,13 +88,22 @@ class CutePlan:
     kernels: dict[bool, Any]
 
 
-class CuteBackend(Backend[CutePlan]):
-    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8 decode with a
-    TMA ring and WGMMA on Hopper (sm_90a).
+def _check_option(name: str, value: object, allowed: str, ok: bool) -> None:
+    """Refuse a backend option outside what the kernels take (None is always allowed)."""
+    if value is not None and not ok:
+        raise MSAInputError(name, allowed, repr(value))
 
-    Options (None: the measured choice): `num_splits`, `stages`, `kernel` ("mma" / "wgmma"),
-    `qk_chains` and `min_ctas` ("mma"), `fused`, `lag`, `wgs` and `vreg` ("wgmma":
-    `sm90.Sm90Spec` says what each does)."""
+
+class CuteBackend(Backend[CutePlan]):
+    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8 and NVFP4
+    decode with a TMA ring and WGMMA on Hopper (sm_90a).
+
+    Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
+    many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
+    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg` and `kreg` ("wgmma";
+    NVFP4 needs both: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
+    `MSAInputError` here; one the step's kernel cannot take (too many stages for its shared
+    memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
     name = "cute"
     description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): NVFP4 with mma.sync, "
@@ -104,14 +123,23 @@ class CuteBackend(Backend[CutePlan]):
 
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
-                 lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None) -> None:
+                 lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
+                 kreg: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
+        for name, value in (("num_splits", num_splits), ("stages", stages)):
+            _check_option(name, value, "an int >= 1", isinstance(value, int) and value >= 1)
+        _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
+        _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
+        _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
+        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg)):
+            _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel
         self.fused = fused
         self.lag = lag
         self.wgs = wgs
         self.vreg = vreg
+        self.kreg = kreg
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -120,6 +148,10 @@ class CuteBackend(Backend[CutePlan]):
     def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
         g = problem.geometry
         reasons = []
+        if self.kernel == "wgmma":
+            why = wgmma_serves(problem, platform.capability)
+            if why is not None:
+                reasons.append(f"kernel='wgmma' was asked for: {why}")
         if g.page_size % 16:
             reasons.append(f"page size {g.page_size} is not a multiple of 16")
         if g.topk > 32:
@@ -158,18 +190,27 @@ class CuteBackend(Backend[CutePlan]):
         return reasons
 
     def kernel_for(self, problem: DecodeProblem, platform: Platform) -> str:
-        """The kernel a step takes: the one requested, else "wgmma" wherever it serves."""
+        """The kernel a step takes: the one requested, else "wgmma" for the layouts it is the
+        default of (`WGMMA_DEFAULT_LAYOUTS`) wherever it serves."""
         if self.kernel is not None:
             return self.kernel
-        return "wgmma" if wgmma_serves(problem, platform.capability) is None else "mma"
+        default = problem.kv_layout in WGMMA_DEFAULT_LAYOUTS
+        return "wgmma" if default and wgmma_serves(problem, platform.capability) is None else "mma"
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> CuteConfig:
-        platform = detect(device)
+        """The launch configuration of `problem` on `device` (the options given, the measured
+        choice for the rest). Raises `MSAInputError` for options the step's kernel cannot take."""
+        return self.config_on(problem, detect(device))
+
+    def config_on(self, problem: DecodeProblem, platform: Platform) -> CuteConfig:
+        """`config_for` on a described platform (its SM count and compute capability)."""
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
             shape = choose_wgmma_shape(problem, sm_count)
             stages, wgs = self.stages or shape.stages, self.wgs or shape.wgs
             vreg = shape.vreg if self.vreg is None else self.vreg
+            kreg = shape.kreg if self.kreg is None else self.kreg
+            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg)
             if self.num_splits is not None:
                 splits = self.num_splits
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
@@ -179,13 +220,47 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
-                              vreg=vreg)
+                              vreg=vreg, kreg=kreg)
         splits = self.num_splits or choose_splits(problem, sm_count)
-        stages = self.stages or min(DEFAULT_STAGES, max_stages(KINDS[problem.kv_layout]))
+        most = max_stages(KINDS[problem.kv_layout])
+        _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
+                      "memory)", (self.stages or 1) <= most)
+        stages = self.stages or min(DEFAULT_STAGES, most)
         return CuteConfig(num_splits=splits, stages=stages,
                           qk_chains=self.qk_chains or DEFAULT_QK_CHAINS,
                           min_ctas=choose_min_ctas(problem, sm_count, splits) if self.min_ctas is None
                           else self.min_ctas)
+
+    def strategy(self, problem: DecodeProblem, platform: Platform) -> str | None:
+        try:
+            c = self.config_on(problem, platform)
+        except MSAInputError as exc:
+            return f"cannot run this step with these options: {exc}"
+        splits = f"{c.num_splits} split{'s' if c.num_splits > 1 else ''}"
+        if c.num_splits > 1:
+            splits += " merged in the kernel" if c.fused else " merged by the Triton merge kernel"
+        if c.kernel == "mma":
+            return f"mma kernel (mma.sync, operands decoded in registers): {splits}, {c.stages} steps in flight"
+        scores = ("keys decoded into f16 registers, f16 query (exact product)" if c.kreg
+                  else "fp8 product of the query's fp8 terms (fp8 accumulation, ~1e-3 relative error)")
+        values = "values in registers" if c.vreg else "values through an f16 copy in shared memory"
+        return (f"wgmma kernel (TMA ring + WGMMA, sm_90a): {splits}, {c.stages}-stage ring, {c.wgs} warpgroup"
+                f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}")
+
+    @staticmethod
+    def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool) -> None:
+        """Refuse a shape the wgmma kernel cannot run for `problem` (named by the option to change)."""
+        kind = WGMMA_KINDS[problem.kv_layout]
+        for name, flag, what in (("vreg", vreg, "values"), ("kreg", kreg, "keys")):
+            _check_option(name, flag, f"True (or None) for nvfp4: the wgmma kernel decodes its {what} into registers",
+                          flag or kind != "nvfp4")
+        _check_option("stages", stages, "at least 2 for the wgmma kernel (its ring keeps a tile in flight)",
+                      stages >= 2)
+        q_bytes = 2 if kreg else Q_TERMS[Q_KINDS[problem.q_dtype]]
+        need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
+                                wgmma_heads(problem.geometry.group_size), q_bytes)
+        _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "
+                      f"warpgroups need {need} bytes; an SM has {SM90_SMEM})", need <= SM90_SMEM)
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> CutePlan:
         from msa.backends.cute.launch import CuteWorkspace, prepare

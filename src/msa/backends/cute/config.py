@@ -4,17 +4,18 @@ and how many splits a row's tokens get."""
 from __future__ import annotations
 
 import attrs
+import torch
 
 from msa.problem import DecodeProblem
 
 __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
-    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_STAGES",
-    "WGMMA_CTAS_PER_SM", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "WGMMA_VREG", "wgmma_serves", "wgmma_heads",
-    "wgmma_programs",
-    "choose_wgmma_splits", "wgmma_ctas_per_sm", "WgmmaShape", "choose_wgmma_shape",
-    "WGMMA_AUTO_MIN_PROGRAMS",
+    "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
+    "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
+    "WGMMA_STAGE_BYTES", "SM90_SMEM", "wgmma_serves",
+    "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
+    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -56,20 +57,36 @@ _MIN_STEPS_PER_WARP = 4
 
 #: The backend's kernels: "mma" (`kernel.py`: `mma.sync`, each thread decoding its operands in
 #: registers; NVFP4 and fp8, any page size of a multiple of 16) and "wgmma" (`sm90.py`: TMA ring
-#: and WGMMA; fp8 on compute capability 9.x, pages of a multiple of 64 tokens).
+#: and WGMMA; fp8 and NVFP4 on compute capability 9.x, pages of a multiple of 64 tokens).
 KERNELS = ("mma", "wgmma")
-#: 64-token tiles in the wgmma kernel's shared-memory ring (16 KiB each for fp8).
-WGMMA_STAGES = 3
-#: CTAs of the wgmma kernel that fit on one SM (~70 KiB of shared memory each at 3 stages).
-WGMMA_CTAS_PER_SM = 3
+#: The wgmma kernel's cache kind per layout.
+WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}
+#: Layouts whose steps take the wgmma kernel by default (where it serves; the mma kernel otherwise):
+#: both, measured faster than the mma kernel (`choose_wgmma_shape`).
+WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
+#: fp8 steps take the wgmma kernel's exact f16 score product (keys decoded into registers) by
+#: default. H200, M3 fp8 at 64K (benchmarks/precision.py, bench_cute.py): the fp8 product of the
+#: query's fp8 terms adds ~1e-3 relative error to the output against the float64 oracle (f16 q:
+#: 1.24e-3 where the f16 product holds 2.7e-4, as Triton does; bf16 q: 1.99e-3 against 1.68e-3)
+#: and is 0-4% faster (TP1 B = 16 / 64 / 256: 25.0 / 49.3 / 144.4 us against 25.4 / 50.0 / 149.4;
+#: TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4). `kreg=False` asks for it.
+WGMMA_FP8_KREG = True
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
 WGMMA_LAG = False
-#: The wgmma kernel reads the values into the second product's registers.
-WGMMA_VREG = False
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
+#: The kernels' name of each query dtype.
+Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}
+#: fp8 terms of the query in the wgmma kernel's fp8 score product, per query kind (exact for bf16
+#: with two, for f16 with three). Its NVFP4 product takes one f16 term for every query kind.
+Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
+#: Shared memory one SM of compute capability 9.x gives its CTAs.
+SM90_SMEM = 227 * 1024
+#: Bytes of one stage of a warpgroup's ring per cache kind: a tile's 64 keys and 64 values
+#: (fp8: 2 x 64 x 128; NVFP4: 2 x 64 x 64 code bytes and 2 x 512 block-scale bytes).
+WGMMA_STAGE_BYTES = {"fp8": 16384, "nvfp4": 9216}
 
 
 @attrs.frozen
@@ -79,13 +96,16 @@ class CuteConfig:
         more write partials that the merge combines.
     stages: 16-token steps each warp has in flight ("mma"), 64-token tiles of the ring ("wgmma").
     qk_chains: independent accumulator chains of the score mma k-steps ("mma").
-    min_ctas: CTAs per SM the registers must allow (0: ptxas decides; "mma").
+    min_ctas: CTAs per SM the registers must allow (0: ptxas decides).
     kernel: "mma" or "wgmma" (`KERNELS`).
     fused: several splits are merged by the last one to finish, inside the kernel ("wgmma"),
         instead of by the Triton merge kernel after it.
     lag: the wgmma kernel weighs each tile by the maximum through the previous tiles (`sm90.py`).
     wgs: consumer warpgroups per CTA of the wgmma kernel (1 or 2).
-    vreg: the wgmma kernel reads the values into registers (no f16 copy in shared memory).
+    vreg: the wgmma kernel reads the values into registers (no f16 copy in shared memory; always
+        for NVFP4).
+    kreg: the wgmma kernel decodes the keys into f16 registers for an f16 score product (exact;
+        always for NVFP4) instead of the fp8 product of the query's fp8 terms.
     """
 
     num_splits: int
@@ -97,10 +117,11 @@ class CuteConfig:
     lag: bool = False
     wgs: int = 1
     vreg: bool = False
+    kreg: bool = False
 
 
 def max_stages(kind: str) -> int:
-    """The most stages whose slots fit the shared-memory budget (fp8: 2, nvfp4: 4)."""
+    """The most stages of the mma kernel whose slots fit the shared-memory budget (fp8: 2, nvfp4: 4)."""
     return max(1, SMEM_BUDGET // (WARPS * 32 * SLOTS[kind]))
 
 
@@ -128,8 +149,8 @@ def choose_min_ctas(problem: DecodeProblem, sm_count: int, splits: int) -> int:
 
 def wgmma_serves(problem: DecodeProblem, capability: tuple[int, int] | None) -> str | None:
     """Why the wgmma kernel cannot serve `problem` on a GPU of `capability`, or None."""
-    if problem.kv_layout != "fp8_e4m3":
-        return f"the wgmma kernel reads fp8 caches, not {problem.kv_layout}"
+    if problem.kv_layout not in WGMMA_KINDS:
+        return f"the wgmma kernel reads fp8 and nvfp4 caches, not {problem.kv_layout}"
     if capability is None or capability[0] != 9:
         return "the wgmma kernel is compiled for sm_90a (compute capability 9.x)"
     if problem.geometry.page_size % 64:
@@ -149,12 +170,40 @@ def wgmma_programs(problem: DecodeProblem) -> int:
     return problem.num_rows * g.num_kv_heads * -(-g.group_size // heads)
 
 
-def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False) -> int:
-    """CTAs of the wgmma kernel that fit on an SM's 227 KiB of shared memory: each warpgroup's
-    ring (16 KiB a stage) and weight operand (2 KiB; 16 KiB more for the f16 values unless they
-    are read into registers, `vreg`), plus ~6 KiB for the CTA (q terms, tables): 4 at (2 stages,
-    1 warpgroup), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2); with `vreg` 4 at (3, 1)."""
-    return max(1, (227 * 1024) // (wgs * (stages * 16384 + (2048 if vreg else 18432)) + 6144))
+def wgmma_tiles(problem: DecodeProblem) -> int:
+    """64-token tiles of a row's selected pages (at most; fewer where pages are partly visible)."""
+    g = problem.geometry
+    return g.topk * g.page_size // 64
+
+
+def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: int = 128, heads: int = 16,
+                     q_bytes: int = 2) -> int:
+    """Shared memory of one CTA of the wgmma kernel: its struct (`sm90.py`'s `Storage`) laid out
+    field by field with the same alignments — per warpgroup a ring of `stages` stages
+    (`WGMMA_STAGE_BYTES`), f16 weights, an f16 copy of fp8 values unless `vreg`, NVFP4's output
+    staging tile; per CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16
+    term), the tile tables of a row's 32 pages, the barriers and the softmax exchange."""
+    nvfp4 = kind == "nvfp4"
+    n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64), heads * wgs
+    fields = [  # (bytes, alignment) in the struct's order
+        (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), (16, 4),
+        (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4),
+        (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
+        (16 if vreg else 128 * 64 * 2 * wgs, 1024),
+        (n_st * 64 * (64 if nvfp4 else 128), 1024), (n_st * 64 * (64 if nvfp4 else 128), 1024),  # keys, values
+        (n_st * 512 if nvfp4 else 16, 128), (n_st * 512 if nvfp4 else 16, 128),  # their block scales
+        (4 * (wgs * heads * 132 if nvfp4 else 4), 16)]
+    end = 0
+    for size, align in fields:
+        end = -(-end // align) * align + size
+    return -(-end // 1024) * 1024
+
+
+def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8") -> int:
+    """CTAs of the wgmma kernel whose shared memory fits one SM's 227 KiB (`wgmma_smem_bytes`
+    at 128-token pages, 16 heads, a bf16 query): fp8 4 at (2 stages, 1 warpgroup, vreg), 3 at
+    (3, 1), 2 at (2, 2), 1 at (3, 2)."""
+    return max(1, SM90_SMEM // wgmma_smem_bytes(kind, stages, wgs, vreg))
 
 
 #: fp8 steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton
@@ -165,12 +214,14 @@ WGMMA_AUTO_MIN_PROGRAMS = 64
 
 @attrs.frozen
 class WgmmaShape:
-    """How the wgmma kernel walks a step: splits, ring stages, warpgroups, values in registers."""
+    """How the wgmma kernel walks a step: splits, ring stages, warpgroups, values in registers,
+    keys in f16 registers (the exact score product)."""
 
     num_splits: int
     stages: int
     wgs: int
     vreg: bool
+    kreg: bool = False
 
 
 def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
@@ -182,22 +233,26 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
       (vreg 50.5 / 49.0, two splits 55.8-67.5; Triton 52.6 / 53.6);
     - fewer programs than SMs (TP1 B = 16, TP8 B = 16 / 64): two warpgroups per CTA, 3 stages,
       splits up to one CTA per SM (each warpgroup keeping 4 tiles) — 25.5 / 15.7 / 22.8 us
-      against 33.7 / 16.2 / 24.9 with one warpgroup and splits filling 3 CTAs per SM."""
+      against 33.7 / 16.2 / 24.9 with one warpgroup and splits filling 3 CTAs per SM.
+
+    NVFP4 takes the same shape with its keys and values always in registers (H200, M3 NVFP4
+    against the mma kernel: TP1 B = 16 / 64 / 256 23.7 / 49.4 / 151.1 us against 29.6 / 51.0 /
+    162.8; TP8 B = 64 / 256 20.7 / 42.2 against 26.6 / 49.6; 3 or 4 stages, two warpgroups and
+    4 CTAs per SM no faster). fp8 keys in registers: `WGMMA_FP8_KREG`."""
     programs = max(wgmma_programs(problem), 1)
-    g = problem.geometry
-    tiles = g.topk * g.page_size // 64
+    nvfp4 = problem.kv_layout == "nvfp4"
+    kreg = nvfp4 or WGMMA_FP8_KREG
     if programs > 3 * sm_count:
-        return WgmmaShape(1, 2, 1, True)
+        return WgmmaShape(1, 2, 1, True, kreg)
     if programs >= sm_count:
-        return WgmmaShape(1, 3, 1, False)
-    return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False)
+        return WgmmaShape(1, 3, 1, nvfp4, kreg)
+    splits = max(1, min(sm_count // programs, wgmma_tiles(problem) // (2 * _WGMMA_MIN_TILES)))
+    return WgmmaShape(splits, 3, 2, nvfp4, kreg)
 
 
-def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = WGMMA_STAGES, wgs: int = 1,
+def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,
                         vreg: bool = False) -> int:
     """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles."""
-    g = problem.geometry
-    tiles = g.topk * g.page_size // 64
-    most = max(1, tiles // (_WGMMA_MIN_TILES * wgs))
-    slots = wgmma_ctas_per_sm(stages, wgs, vreg) * sm_count
+    most = max(1, wgmma_tiles(problem) // (_WGMMA_MIN_TILES * wgs))
+    slots = wgmma_ctas_per_sm(stages, wgs, vreg, WGMMA_KINDS.get(problem.kv_layout, "fp8")) * sm_count
     return max(1, min(most, slots // max(wgmma_programs(problem), 1)))

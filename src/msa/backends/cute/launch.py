@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from msa.backends.cute.config import HOST_ARG_KINDS, KINDS, CuteConfig, wgmma_heads, wgmma_programs
+from msa.backends.cute.config import (
+    HOST_ARG_KINDS,
+    KINDS,
+    Q_KINDS,
+    WGMMA_KINDS,
+    CuteConfig,
+    wgmma_heads,
+    wgmma_programs,
+)
 from msa.backends.cute.fastcall import PackedCall, packing_matches
 from msa.backends.triton.kernels import LOG2E, merge_kernel
 from msa.errors import MSAInputError
@@ -25,7 +33,6 @@ from msa.validation import DecodeInputs, vector_misalignment
 
 __all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_for"]
 
-_Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}
 _OUT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _lock = threading.Lock()
@@ -53,12 +60,13 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
         from msa.backends.cute.sm90 import Sm90Spec
 
         fused = config.fused and config.num_splits > 1
-        return Sm90Spec(g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
+        return Sm90Spec(g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
                         with_lse and (config.num_splits == 1 or fused), wgmma_heads(g.group_size), config.stages,
-                        fused, config.lag, config.min_ctas, config.wgs, config.vreg)
+                        fused, config.lag, config.min_ctas, config.wgs, config.vreg, WGMMA_KINDS[problem.kv_layout],
+                        config.kreg)
     from msa.backends.cute.kernel import KernelSpec
 
-    return KernelSpec(KINDS[problem.kv_layout], g.page_size, _Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
+    return KernelSpec(KINDS[problem.kv_layout], g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
                       config.num_splits == 1,
                       with_lse and config.num_splits == 1, g.head_dim, config.stages, config.qk_chains, config.min_ctas)
 
@@ -140,7 +148,7 @@ def launch_cute(
        stride_vt, topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
        lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
        problem.num_rows, _stream(out.device))
-    if config.num_splits > 1 and not (config.kernel == "wgmma" and config.fused):
+    if config.num_splits > 1 and not config.fused:  # (only the wgmma kernel merges its own splits)
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
