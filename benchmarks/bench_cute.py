@@ -85,10 +85,12 @@ def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
         kw["topk_indices"] = topk
         ref_out, ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)
         problem, inputs = check_decode_inputs(**kw)
-        for splits in (None, 1, 3):
+        # NVFP4 steps of 64-token pages: the mma kernel (the default) and the wgmma kernel (by name)
+        kernels = [None, "wgmma"] if c.layout == "nvfp4" and c.geometry.page_size % 64 == 0 else [None]
+        for kernel, splits in ((k, s) for k in kernels for s in (None, 1, 3)):
             o = torch.full_like(ref_out, float("nan"))
             lse = torch.full(o.shape[:2], float("nan"), device="cuda") if c.lse else None
-            CuteBackend(num_splits=splits).run_step(problem, inputs, o, lse)
+            CuteBackend(num_splits=splits, kernel=kernel).run_step(problem, inputs, o, lse)
             err = (o.float() - ref_out.float()).abs().max().item()
             lerr, lse_inf_ok = 0.0, True
             if lse is not None:
@@ -96,8 +98,8 @@ def check_cases(gen: torch.Generator) -> list[dict[str, Any]]:
                 lse_inf_ok = bool(((lse == float("-inf")) == (ref_lse == float("-inf"))).all())
             lse_nan = lse is not None and bool(lse.isnan().any())
             ok = err < TOLERANCE and lerr < TOLERANCE and lse_inf_ok and not lse_nan and not o.isnan().any().item()
-            rows.append(dict(case=i, layout=c.layout, splits=splits, err=err, lse_err=lerr, ok=ok))
-            print(f"check case {i} ({c.layout}) splits={splits}: err {err:.2e} lse {lerr:.2e} "
+            rows.append(dict(case=i, layout=c.layout, kernel=kernel, splits=splits, err=err, lse_err=lerr, ok=ok))
+            print(f"check case {i} ({c.layout}, {kernel or 'default'}) splits={splits}: err {err:.2e} lse {lerr:.2e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)
     return rows
 

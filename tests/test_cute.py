@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
 import struct
 from typing import Any
 
@@ -27,8 +28,9 @@ from msa.backends.cute.config import (
     CTAS_PER_SM,
     DEFAULT_MIN_CTAS,
     HOST_ARG_KINDS,
+    Q_TERMS,
+    SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
-    WGMMA_CTAS_PER_SM,
     WIDE_MIN_CTAS,
     WgmmaShape,
     choose_min_ctas,
@@ -40,6 +42,7 @@ from msa.backends.cute.config import (
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
+    wgmma_smem_bytes,
 )
 from msa.errors import MSAInputError
 from msa.planning import StepTables
@@ -80,28 +83,92 @@ def _fp8(batch: int, geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
     return attrs.evolve(_problem(batch, geometry=geometry), kv_layout="fp8_e4m3")
 
 
-def test_the_wgmma_kernel_serves_fp8_on_sm90_with_pages_of_64_tokens() -> None:
+def test_the_wgmma_kernel_serves_fp8_and_nvfp4_on_sm90_with_pages_of_64_tokens() -> None:
     assert wgmma_serves(_fp8(8), (9, 0)) is None
+    assert wgmma_serves(_problem(8), (9, 0)) is None
     assert "sm_90a" in (wgmma_serves(_fp8(8), (10, 0)) or "")
     assert "sm_90a" in (wgmma_serves(_fp8(8), None) or "")
-    assert "fp8" in (wgmma_serves(_problem(8), (9, 0)) or "")
+    assert "bfloat16" in (wgmma_serves(attrs.evolve(_fp8(8), kv_layout="bfloat16"), (9, 0)) or "")
     small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
     assert "page size 32" in (wgmma_serves(_fp8(8, small_pages), (9, 0)) or "")
     backend = CuteBackend()
     assert backend.kernel_for(_fp8(8), _hopper()) == "wgmma"
-    assert backend.kernel_for(_problem(8), _hopper()) == "mma"
+    assert backend.kernel_for(_problem(8), _hopper()) == "wgmma"
     assert backend.kernel_for(_fp8(8, small_pages), _hopper()) == "mma"
+    assert backend.kernel_for(_problem(8, geometry=small_pages), _hopper()) == "mma"
+    assert CuteBackend(kernel="mma").kernel_for(_problem(8), _hopper()) == "mma"
     assert CuteBackend(kernel="mma").kernel_for(_fp8(8), _hopper()) == "mma"
 
 
+@pytest.mark.parametrize("requested", [False, True])
+def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: bool) -> None:
+    """`kernel="wgmma"` on a step the kernel cannot run is refused when the backend is chosen, with
+    the reason (not at compile or launch time); the default `cute` falls back to the mma kernel."""
+    small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
+    blackwell = attrs.evolve(_hopper(), capability=(10, 0))
+    for problem, platform, why in ((_fp8(8, small_pages), _hopper(), "page size 32"),
+                                   (_problem(8, geometry=small_pages), _hopper(), "page size 32"),
+                                   (_fp8(8), blackwell, "sm_90a")):
+        reasons = CuteBackend(kernel="wgmma").problem_reasons(problem, platform, requested=requested)
+        assert any("kernel='wgmma'" in r and why in r for r in reasons), reasons
+        assert not any("kernel='wgmma'" in r for r in CuteBackend().problem_reasons(problem, platform,
+                                                                                    requested=requested))
+    assert not CuteBackend(kernel="wgmma").problem_reasons(_problem(8), _hopper(), requested=True)
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
+    ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
+    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool")])
+def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
+                                                                   expected: str) -> None:
+    with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
+        CuteBackend(**{option: value})
+
+
+def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
+    """Options each valid alone but not for the step's kernel: one stage (the ring keeps a tile in
+    flight), more stages than an SM's shared memory holds, NVFP4 values not in registers; the
+    mma kernel's stages past its shared-memory budget."""
+    cpu = torch.device("cpu")
+    with pytest.raises(MSAInputError, match=r"^stages: expected at least 2"):
+        CuteBackend(kernel="wgmma", stages=1).config_for(_fp8(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^stages: expected few enough .* 2 warpgroups need \d+ bytes"):
+        CuteBackend(kernel="wgmma", stages=7, wgs=2).config_for(_fp8(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^vreg: expected True \(or None\) for nvfp4"):
+        CuteBackend(kernel="wgmma", vreg=False).config_for(_problem(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^kreg: expected True \(or None\) for nvfp4"):
+        CuteBackend(kernel="wgmma", kreg=False).config_for(_problem(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^stages: expected at most 4 for the mma kernel on nvfp4"):
+        CuteBackend(kernel="mma", stages=5).config_for(_problem(64), cpu)
+    assert CuteBackend(kernel="wgmma", stages=6).config_for(_fp8(64), cpu).stages == 6
+    config = CuteBackend(kernel="wgmma").config_for(_problem(64), cpu)
+    assert config.vreg and config.kreg
+
+
 @pytest.mark.parametrize(("tp", "batch", "expected"), [
-    (1, 256, WgmmaShape(1, 2, 1, True)), (1, 128, WgmmaShape(1, 2, 1, True)), (1, 64, WgmmaShape(1, 3, 1, False)),
-    (8, 256, WgmmaShape(1, 3, 1, False)), (1, 16, WgmmaShape(2, 3, 2, False)), (8, 64, WgmmaShape(2, 3, 2, False)),
-    (8, 16, WgmmaShape(4, 3, 2, False)), (1, 1, WgmmaShape(4, 3, 2, False))])
+    (1, 256, WgmmaShape(1, 2, 1, True, True)), (1, 128, WgmmaShape(1, 2, 1, True, True)),
+    (1, 64, WgmmaShape(1, 3, 1, False, True)), (8, 256, WgmmaShape(1, 3, 1, False, True)),
+    (1, 16, WgmmaShape(2, 3, 2, False, True)), (8, 64, WgmmaShape(2, 3, 2, False, True)),
+    (8, 16, WgmmaShape(4, 3, 2, False, True)), (1, 1, WgmmaShape(4, 3, 2, False, True))])
 def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: WgmmaShape) -> None:
     assert choose_wgmma_shape(_fp8(batch, msa.MINIMAX_M3_TP[tp]), 132) == expected
     config = CuteBackend(kernel="wgmma").config_for(_fp8(batch, msa.MINIMAX_M3_TP[tp]), torch.device("cpu"))
     assert config.kernel == "wgmma"
+    # NVFP4: the same walk, its keys and values always in registers
+    nvfp4 = choose_wgmma_shape(_problem(batch, geometry=msa.MINIMAX_M3_TP[tp]), 132)
+    assert nvfp4 == attrs.evolve(expected, vreg=True, kreg=True)
+
+
+def test_explain_says_which_kernel_and_how() -> None:
+    """`msa explain`'s line for the backend: the kernel, its splits and ring, the score product."""
+    text = CuteBackend().strategy(_fp8(64), _hopper()) or ""
+    assert "wgmma kernel" in text and "exact product" in text and "1 split" in text and "3-stage" in text
+    assert "fp8 accumulation" in (CuteBackend(kreg=False).strategy(_fp8(64), _hopper()) or "")
+    assert "values in registers" in (CuteBackend().strategy(_problem(256), _hopper()) or "")
+    assert "mma kernel" in (CuteBackend(kernel="mma").strategy(_problem(8), _hopper()) or "")
+    assert "merged in the kernel" in (CuteBackend().strategy(_fp8(16), _hopper()) or "")
+    assert "cannot run" in (CuteBackend(kernel="wgmma", stages=1).strategy(_fp8(64), _hopper()) or "")
 
 
 @pytest.mark.parametrize(("batch", "chosen"), [(64, True), (16, True), (8, False)])
@@ -166,8 +233,8 @@ def test_wgmma_splits_fill_the_slots_once_and_keep_four_tiles(batch: int, sms: i
         assert 1 <= splits <= g.topk * g.page_size // 64 // (4 * wgs)
         if splits > 1:
             assert wgmma_programs(problem) * splits <= wgmma_ctas_per_sm(stages, wgs) * sms
-    assert [wgmma_ctas_per_sm(st, w) for st, w in ((2, 1), (3, 1), (2, 2), (3, 2))] == [4, 3, 2, 1]
-    assert wgmma_ctas_per_sm(3, 1) == WGMMA_CTAS_PER_SM
+    assert [wgmma_ctas_per_sm(st, w) for st, w in ((2, 1), (3, 1), (2, 2), (3, 2))] == [3, 3, 2, 1]
+    assert wgmma_ctas_per_sm(2, 1, vreg=True) == 5  # by shared memory (its 124 registers allow 4)
 
 
 def test_measured_choices() -> None:
@@ -264,22 +331,27 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
 @pytest.mark.gpu
 @needs_wgmma
 @GPU_FUZZ
-@given(params=step_params(max_batch=4, layouts=("fp8_e4m3",), head_dim=128, groups=(1, 3, 8, 16, 20),
+@given(params=step_params(max_batch=4, layouts=("fp8_e4m3", "nvfp4"), head_dim=128, groups=(1, 3, 8, 16, 20),
                           pages=(64, 128), max_topk=32, max_blocks=6),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5]), stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
-       vreg=st.sampled_from([None, False, True]))
+       vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
-                                                                  wgs: int | None, vreg: bool | None) -> None:
-    """The TMA + WGMMA kernel on hostile fp8 steps: NaN in every byte the contract never reads
-    (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows)."""
+                                                                  wgs: int | None, vreg: bool | None,
+                                                                  kreg: bool | None) -> None:
+    """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
+    reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
+    NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
+    tested on the CPU)."""
+    if params["layout"] == "nvfp4":
+        vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg}")
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
-    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -372,22 +444,44 @@ def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> Non
     assert not fastcall.packing_matches(object(), HOST_ARG_KINDS)
 
 
+WGMMA_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, False), ("fp8", "f16", 8, False, True, 2, False, False),
+                  ("fp8", "e4m3", 16, False, False, 4, False, False), ("fp8", "bf16", 16, True, False, 3, True, False),
+                  ("fp8", "f16", 8, False, True, 2, True, False), ("fp8", "e4m3", 16, False, False, 4, True, False),
+                  ("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
+                  ("nvfp4", "bf16", 16, True, False, 3, True, True), ("nvfp4", "f16", 8, False, True, 2, True, True),
+                  ("nvfp4", "e4m3", 16, False, False, 4, True, True)]
+
+
 @needs_dsl
-@pytest.mark.parametrize(("q_kind", "nc", "final", "fused", "stages"),
-                         [("bf16", 16, True, False, 3), ("f16", 8, False, True, 2), ("e4m3", 16, False, False, 4)])
-@pytest.mark.parametrize("vreg", [False, True])
-def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(q_kind: str, nc: int, final: bool, fused: bool,
-                                                                      stages: int, vreg: bool) -> None:
+@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg"), WGMMA_VARIANTS)
+def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str, q_kind: str, nc: int, final: bool,
+                                                                      fused: bool, stages: int, vreg: bool,
+                                                                      kreg: bool) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
-    the host argument list `fastcall` packs (the GPU tests run it)."""
+    the host argument list `fastcall` packs (the GPU tests run it), and its shared memory is what
+    `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says."""
     import cutlass.cute as cute
 
     from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
-    spec = Sm90Spec(128, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=1 if final else 2)
-    fn = cute.compile(build_sm90(spec), *compile_args(), options="--gpu-arch sm_90a")
+    wgs = 1 if final else 2
+    spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=wgs,
+                    kind=kind, kreg=kreg)
+    host = build_sm90(spec)
+    fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
+    q_bytes = 2 if kreg else Q_TERMS[q_kind]
+    assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
+                                                                  q_bytes) <= SM90_SMEM
+
+
+@needs_dsl
+def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    with pytest.raises(ValueError, match="vreg"):
+        build_sm90(Sm90Spec(128, "bf16", "bf16", True, False, kind="nvfp4"))
 
 
 @needs_dsl
