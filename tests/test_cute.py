@@ -147,7 +147,7 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
 
 
 @pytest.mark.parametrize(("tp", "batch", "expected"), [
-    (1, 256, WgmmaShape(1, 2, 1, True, True)), (1, 128, WgmmaShape(1, 2, 1, True, True)),
+    (1, 256, WgmmaShape(1, 2, 1, True, False)), (1, 128, WgmmaShape(1, 2, 1, True, False)),
     (1, 64, WgmmaShape(1, 3, 1, False, True)), (8, 256, WgmmaShape(1, 3, 1, False, True)),
     (1, 16, WgmmaShape(2, 3, 2, False, True)), (8, 64, WgmmaShape(2, 3, 2, False, True)),
     (8, 16, WgmmaShape(4, 3, 2, False, True)), (1, 1, WgmmaShape(4, 3, 2, False, True))])

@@ -64,12 +64,13 @@ WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}
 #: Layouts whose steps take the wgmma kernel by default (where it serves; the mma kernel otherwise):
 #: both, measured faster than the mma kernel (`choose_wgmma_shape`).
 WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
-#: fp8 steps take the wgmma kernel's exact f16 score product (keys decoded into registers) by
-#: default. H200, M3 fp8 at 64K (benchmarks/precision.py, bench_cute.py): the fp8 product of the
-#: query's fp8 terms adds ~1e-3 relative error to the output against the float64 oracle (f16 q:
-#: 1.24e-3 where the f16 product holds 2.7e-4, as Triton does; bf16 q: 1.99e-3 against 1.68e-3)
-#: and is 0-4% faster (TP1 B = 16 / 64 / 256: 25.0 / 49.3 / 144.4 us against 25.4 / 50.0 / 149.4;
-#: TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4). `kreg=False` asks for it.
+#: fp8 steps of at most 3 CTAs per SM take the wgmma kernel's exact f16 score product (keys
+#: decoded into registers) by default. H200, M3 fp8 at 64K (benchmarks/precision.py,
+#: bench_cute.py): the fp8 product of the query's fp8 terms adds ~1e-3 relative error to the
+#: output against the float64 oracle (f16 q: 1.24e-3 where the f16 product holds 2.7e-4, as
+#: Triton does; bf16 q: 1.99e-3 against 1.68e-3) and is 0-2% faster there (TP1 B = 16 / 64:
+#: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
+#: Wider steps keep the fp8 product (`choose_wgmma_shape`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
@@ -238,12 +239,15 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
     NVFP4 takes the same shape with its keys and values always in registers (H200, M3 NVFP4
     against the mma kernel: TP1 B = 16 / 64 / 256 23.7 / 49.4 / 151.1 us against 29.6 / 51.0 /
     162.8; TP8 B = 64 / 256 20.7 / 42.2 against 26.6 / 49.6; 3 or 4 stages, two warpgroups and
-    4 CTAs per SM no faster). fp8 keys in registers: `WGMMA_FP8_KREG`."""
+    4 CTAs per SM no faster). fp8 keys in registers: `WGMMA_FP8_KREG`, except past 3 CTAs per
+    SM, where the keys' registers (168 with the values', against 124) leave 3 CTAs per SM instead
+    of 4 and a second partial wave: TP1 B = 128 / 256 95.0 / 147.3 us with them against 80.9 /
+    145.0 without (Triton 92.8 / 172.3)."""
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = nvfp4 or WGMMA_FP8_KREG
     if programs > 3 * sm_count:
-        return WgmmaShape(1, 2, 1, True, kreg)
+        return WgmmaShape(1, 2, 1, True, nvfp4)
     if programs >= sm_count:
         return WgmmaShape(1, 3, 1, nvfp4, kreg)
     splits = max(1, min(sm_count // programs, wgmma_tiles(problem) // (2 * _WGMMA_MIN_TILES)))
