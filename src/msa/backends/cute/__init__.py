@@ -106,8 +106,8 @@ class CuteBackend(Backend[CutePlan]):
     memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
     name = "cute"
-    description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): NVFP4 with mma.sync, "
-                   "fp8 with TMA + WGMMA on sm_90a")
+    description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): fp8 and NVFP4 with TMA + "
+                   "WGMMA on sm_90a, mma.sync elsewhere")
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         min_capability=(9, 0),

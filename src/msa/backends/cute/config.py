@@ -13,7 +13,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
-    "WGMMA_STAGE_BYTES", "SM90_SMEM", "wgmma_serves",
+    "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS",
 ]
@@ -85,9 +85,6 @@ Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e
 Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
 #: Shared memory one SM of compute capability 9.x gives its CTAs.
 SM90_SMEM = 227 * 1024
-#: Bytes of one stage of a warpgroup's ring per cache kind: a tile's 64 keys and 64 values
-#: (fp8: 2 x 64 x 128; NVFP4: 2 x 64 x 64 code bytes and 2 x 512 block-scale bytes).
-WGMMA_STAGE_BYTES = {"fp8": 16384, "nvfp4": 9216}
 
 
 @attrs.frozen
@@ -180,8 +177,9 @@ def wgmma_tiles(problem: DecodeProblem) -> int:
 def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: int = 128, heads: int = 16,
                      q_bytes: int = 2) -> int:
     """Shared memory of one CTA of the wgmma kernel: its struct (`sm90.py`'s `Storage`) laid out
-    field by field with the same alignments — per warpgroup a ring of `stages` stages
-    (`WGMMA_STAGE_BYTES`), f16 weights, an f16 copy of fp8 values unless `vreg`, NVFP4's output
+    field by field with the same alignments — per warpgroup a ring of `stages` stages (a tile's
+    64 keys and 64 values: fp8 2 x 8 KiB; NVFP4 2 x 4 KiB of codes and 2 x 512 bytes of block
+    scales), f16 weights, an f16 copy of fp8 values unless `vreg`, NVFP4's output
     staging tile; per CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16
     term), the tile tables of a row's 32 pages, the barriers and the softmax exchange."""
     nvfp4 = kind == "nvfp4"
