@@ -15,7 +15,7 @@ from cutlass.cutlass_dsl import T
 
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_b32_plain",
-    "ld_f32", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_v_pairs",
+    "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_v_pairs",
     "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
@@ -50,6 +50,17 @@ def ld_f32(addr: Any, pred: Any) -> Float32:
     """One float through the coherent path (0 when `pred` is 0)."""
     return Float32(_asm(1, T.f32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.f32 $0, 0f00000000;"
                                   " @p ld.global.f32 $0, [$1];}", "=f,l,r", addr, pred, side=True)[0])
+
+
+def ld_f32s(addr: Any, pred: Any, n: int) -> list[Float32]:
+    """`n` (2 or 4) consecutive floats in one vector load from L2 (`.cg`: another SM's stores,
+    never a stale line of this SM's L1; all 0 when `pred` is 0; `addr` aligned to 4 `n` bytes)."""
+    outs = ",".join(f"${i}" for i in range(n))
+    zero = " ".join(f"mov.f32 ${i}, 0f00000000;" for i in range(n))
+    load = f"@p ld.global.cg.v{n}.f32 {{{outs}}}, [${n}];"
+    vals = _asm(n, T.f32, f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; {zero} {load}}}",
+                ",".join(["=f"] * n) + ",l,r", addr, pred, side=True)
+    return [Float32(v) for v in vals]
 
 
 def f32_bits(x: Any) -> Int32:

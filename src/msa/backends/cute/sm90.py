@@ -141,6 +141,18 @@ def _f32_of_bf16_pair(word: Any) -> tuple[Any, Any]:
     return lo, hi
 
 
+def _load_split(ms: Any, ls: Any, part: Any, i: int, ml_addr: Any, o_addr: Any, ok: Any, cw: int) -> None:
+    """Split `i` of a merge batch into registers: its (m, l) (m = -inf where `ok` is 0) and its
+    `cw` partial floats at `o_addr` (vector loads, issued without waiting)."""
+    ml = ptx.ld_f32s(ml_addr, ok, 2)
+    ms[i] = cutlass.select_(ok != 0, ml[0], Float32(_NEG_INF))
+    ls[i] = ml[1]
+    for k4 in range(cw // 4):  # (traced: a helper's loops are plain Python)
+        vals = ptx.ld_f32s(o_addr + 16 * k4, ok, 4)
+        for k in range(4):
+            part[4 * k4 + k, i] = vals[k]
+
+
 def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: Any, tile: Any, head: Any,
            page: Any) -> None:
     """Start the TMA copies of one tile (tile `tile` of page `page`, KV head `head`) into ring
@@ -671,6 +683,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # thread (row, c) of the first warpgroup: head `row`, elements c .. c + CW - 1, the
         # warpgroups' states merged
         CW = NC * D // _THREADS
+        MERGE = 64 // CW  # splits the fused merge reads at a time (4 at 16 heads a CTA, 8 at 8)
         row = wtid // (D // CW)
         c0 = (wtid % (D // CW)) * CW
         ov = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
@@ -732,20 +745,36 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 if count[1] % num_splits == num_splits - 1:
                     ptx.fence_gpu()
                     prow0 = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
+                    # the splits MERGE at a time, each one vector load of its (m, l) and CW // 4 of
+                    # its partial row, all in flight together; the running maximum rescales what is
+                    # summed so far (a split past the last, or with no visible token, weighs 0)
                     m_top = Float32(_NEG_INF)
-                    for s_i in cutlass.range(num_splits, unroll=1):
-                        m_top = ptx.fmax(m_top, ptx.ld_f32(part_ml + (prow0 + Int64(s_i)) * 8, row_ok))
-                    m_top_safe = ptx.safe(m_top)
+                    l_top = Float32(0.0)
                     acc = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
                     acc.fill(0.0)
-                    l_top = Float32(0.0)
-                    for s_i in cutlass.range(num_splits, unroll=1):
-                        ml = part_ml + (prow0 + Int64(s_i)) * 8
-                        w = cute.arch.exp2(ptx.ld_f32(ml, row_ok) - m_top_safe)
-                        l_top = l_top + ptx.ld_f32(ml + 4, row_ok) * w
-                        src = part_o + ((prow0 + Int64(s_i)) * D + c0) * 4
+                    parts = cute.make_rmem_tensor(cute.make_layout((CW, MERGE)), Float32)
+                    ms = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
+                    ls = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
+                    for c in cutlass.range((num_splits + (MERGE - 1)) // MERGE, unroll=1):
+                        for i in cutlass.range_constexpr(MERGE):
+                            s_i = c * MERGE + i
+                            s_ok = row_ok * _flag(s_i < num_splits)
+                            _load_split(ms, ls, parts, i, part_ml + (prow0 + Int64(s_i)) * 8,
+                                        part_o + ((prow0 + Int64(s_i)) * D + c0) * 4, s_ok, CW)
+                        m_new = m_top
+                        for i in cutlass.range_constexpr(MERGE):
+                            m_new = ptx.fmax(m_new, ms[i])
+                        m_ok = ptx.safe(m_new)
+                        keep = cute.arch.exp2(m_top - m_ok)
+                        l_top = l_top * keep
                         for k in cutlass.range_constexpr(CW):
-                            acc[k] = acc[k] + ptx.ld_f32(src + 4 * k, row_ok) * w
+                            acc[k] = acc[k] * keep
+                        for i in cutlass.range_constexpr(MERGE):
+                            w_s = cute.arch.exp2(ms[i] - m_ok)
+                            l_top = l_top + ls[i] * w_s
+                            for k in cutlass.range_constexpr(CW):
+                                acc[k] = acc[k] + parts[k, i] * w_s
+                        m_top = m_new
                     inv = ptx.inv_or_zero(l_top, vs)
                     obase = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
                     for k in cutlass.range_constexpr(CW // 2):
