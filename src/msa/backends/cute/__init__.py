@@ -12,9 +12,10 @@ natural-log LSE. Two kernels:
   f16 registers for an exact product; NVFP4: keys and values decoded into f16 operand
   registers). The default wherever it serves.
 
-`auto` takes this backend on Hopper for NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV
-head) programs and for fp8 steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head, head
-chunk) programs, eager or captured in CUDA graphs alike (launches pack their own arguments:
+`auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV
+head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, 32 of 16-head
+ones), for the other NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs and
+for no other fp8 step, eager or captured in CUDA graphs alike (launches pack their own arguments:
 `fastcall`), except NVFP4 multi-token steps the Triton dedup kernel serves (the wgmma kernel
 measured faster than it on fp8 with and without shared pages); the Triton backend stays the
 portable default. Requested by name it runs any step it supports."""
@@ -40,7 +41,6 @@ from msa.backends.cute.config import (
     Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
-    WGMMA_AUTO_MIN_PROGRAMS,
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
@@ -52,6 +52,7 @@ from msa.backends.cute.config import (
     choose_wgmma_splits,
     max_stages,
     programs,
+    wgmma_auto_min_programs,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -160,17 +161,19 @@ class CuteBackend(Backend[CutePlan]):
             reasons.append("q/out rows not 4-byte or cache pages not 16-byte aligned (it loads them as vectors; the "
                            "triton backend takes any alignment)")
         fp8 = problem.kv_layout == "fp8_e4m3"
-        if not requested and not fp8 and programs(problem) < AUTO_MIN_PROGRAMS:
+        wgmma_why = wgmma_serves(problem, platform.capability)
+        on_wgmma = wgmma_why is None and self.kernel_for(problem, platform) == "wgmma"
+        if not requested and on_wgmma and wgmma_programs(problem) < wgmma_auto_min_programs(problem):
+            least = wgmma_auto_min_programs(problem)
+            reasons.append(f"auto: fewer than {least} (row, KV head, head chunk) programs of "
+                           f"{wgmma_heads(g.group_size)} heads, where the Triton kernel measured as fast or faster")
+        elif not requested and fp8 and not on_wgmma:
+            why = wgmma_why or "the mma kernel was asked for"
+            reasons.append(f"auto: fp8 only on the wgmma kernel ({why}; the mma kernel is slower than Triton's "
+                           "on fp8)")
+        elif not requested and not on_wgmma and programs(problem) < AUTO_MIN_PROGRAMS:
             reasons.append(f"auto: fewer than {AUTO_MIN_PROGRAMS} (row, KV head) programs, where the Triton "
                            "kernel measured faster")
-        if not requested and fp8:
-            why = wgmma_serves(problem, platform.capability)
-            if why is not None:
-                reasons.append(f"auto: fp8 only where the wgmma kernel serves ({why}; the mma kernel is slower "
-                               "than Triton's on fp8)")
-            elif wgmma_programs(problem) < WGMMA_AUTO_MIN_PROGRAMS:
-                reasons.append(f"auto: fewer than {WGMMA_AUTO_MIN_PROGRAMS} (row, KV head, head chunk) programs, "
-                               "where the Triton kernel measured as fast or faster")
         version = dsl_version()
         unverified = version is not None and version not in VERIFIED_DSL_VERSIONS
         if not requested and not problem.graph_capture and unverified:
@@ -181,7 +184,7 @@ class CuteBackend(Backend[CutePlan]):
                            dedup_wanted(), problem.dcp_size)  # the Triton backend's choice for the step
         # the wgmma kernel, a pass per token, measured faster than the dedup kernel at 80% page overlap
         # and without (H200, M3 fp8 L = 4: TP1 B = 64 115.7 / 137.2 us against 134.9 / 243.2)
-        wgmma = fp8 and wgmma_serves(problem, platform.capability) is None
+        wgmma = fp8 and wgmma_why is None
         if not requested and dedup and not wgmma:
             reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
                            "faster than this per-token kernel at 80% page overlap)")

@@ -15,7 +15,8 @@ __all__ = [
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
     "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
-    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS",
+    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS",
+    "wgmma_auto_min_programs",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -205,10 +206,22 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp
     return max(1, SM90_SMEM // wgmma_smem_bytes(kind, stages, wgs, vreg))
 
 
-#: fp8 steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton
-#: kernel (H200, bench_cute.py: M3 TP8 B = 16, 16 programs: Triton 15.2 us, wgmma 15.7; B = 1
-#: at TP1, 4 programs: 12.0 against 17.0; TP1 B = 16, 64 programs: 30.6 against 25.5).
-WGMMA_AUTO_MIN_PROGRAMS = 64
+#: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel
+#: where the wgmma kernel would take them (fp8 and NVFP4 on Hopper), by the query heads a CTA
+#: takes (`wgmma_heads`). H200, M3 at 64K, bench_cute.py (2026-12-02, session 10): 8-head CTAs
+#: (TP8) win from 16 programs (B = 16: fp8 13.8 us against Triton's 15.2, NVFP4 13.2 against
+#: 14.8; B = 8, 8 programs: fp8 12.5 against 12.7, level; B = 1: 11.4 against 11.2); 16-head
+#: CTAs from 32 (TP1 B = 8: fp8 18.7 against 21.6; TP4 B = 16, 16 programs: 16.2 against 15.7;
+#: TP4 B = 8: 15.2 against 12.9; TP1 B = 1: 14.5 against 11.7).
+WGMMA_AUTO_MIN_PROGRAMS = {8: 16, 16: 32}
+#: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
+#: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
+WGMMA_TWO_WG_MIN_PROGRAMS = 32
+
+
+def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
+    """The fewest (row, KV head, head chunk) programs `auto` gives the wgmma kernel (`WGMMA_AUTO_MIN_PROGRAMS`)."""
+    return WGMMA_AUTO_MIN_PROGRAMS[wgmma_heads(problem.geometry.group_size)]
 
 
 @attrs.frozen
@@ -224,23 +237,26 @@ class WgmmaShape:
 
 
 def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
-    """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP8 fp8 at 64K):
+    """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP4 / TP8 at 64K):
 
     - more programs than 3 CTAs per SM hold (TP1 B = 256: 1024): 2 stages, values in registers,
-      4 CTAs per SM, one split — 145.1 us against 162.7 for 3 stages (Triton 172.6);
+      4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6);
     - one to three per SM (TP1 B = 64, TP8 B = 256: 256): 3 stages, one split — 50.2 / 48.2 us
-      (vreg 50.5 / 49.0, two splits 55.8-67.5; Triton 52.6 / 53.6);
-    - fewer programs than SMs (TP1 B = 16, TP8 B = 16 / 64): two warpgroups per CTA, 3 stages,
-      splits up to one CTA per SM (each warpgroup keeping 4 tiles) — 25.5 / 15.7 / 22.8 us
-      against 33.7 / 16.2 / 24.9 with one warpgroup and splits filling 3 CTAs per SM.
+      (vreg 50.5 / 49.0, two splits 55.8-69.1: a second partial wave; Triton 52.6 / 53.6);
+    - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
+      (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, 3 stages, splits up to one CTA per
+      SM, each warpgroup keeping 4 tiles — 18.7 / 23.8 / 24.0 us against 20.9 / 24.4 / 24.6
+      with one warpgroup;
+    - the other steps below the SMs (TP1 B = 1, TP8, NVFP4): one warpgroup, splits up to two
+      CTAs per SM, each keeping 4 tiles — fp8 TP8 B = 8 / 16 / 64 12.5 / 13.8 / 21.8 us against
+      13.4 / 14.3 / 22.1 with two; NVFP4 TP1 B = 16 22.3 against 27.6, TP8 B = 16 / 64 13.2 /
+      19.2 against 14.0 / 23.9.
 
-    NVFP4 takes the same shape with its keys and values always in registers (H200, M3 NVFP4
-    against the mma kernel: TP1 B = 16 / 64 / 256 23.7 / 49.4 / 151.1 us against 29.6 / 51.0 /
-    162.8; TP8 B = 64 / 256 20.7 / 42.2 against 26.6 / 49.6; 3 or 4 stages, two warpgroups and
-    4 CTAs per SM no faster). fp8 keys in registers: `WGMMA_FP8_KREG`, except past 3 CTAs per
-    SM, where the keys' registers (168 with the values', against 124) leave 3 CTAs per SM instead
-    of 4 and a second partial wave: TP1 B = 128 / 256 95.0 / 147.3 us with them against 80.9 /
-    145.0 without (Triton 92.8 / 172.3)."""
+    NVFP4 takes the same walk with its keys and values always in registers (H200, M3 NVFP4
+    against the mma kernel: TP1 B = 64 / 256 49.4 / 151.1 us against 51.0 / 162.8). fp8 keys in
+    registers: `WGMMA_FP8_KREG`, except past 3 CTAs per SM, where the keys' registers (168 with
+    the values', against 124) leave 3 CTAs per SM instead of 4 and a second partial wave: TP1
+    B = 128 / 256 95.0 / 147.3 us with them against 80.9 / 145.0 without (Triton 92.8 / 172.3)."""
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = nvfp4 or WGMMA_FP8_KREG
@@ -248,8 +264,10 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
         return WgmmaShape(1, 2, 1, True, nvfp4)
     if programs >= sm_count:
         return WgmmaShape(1, 3, 1, nvfp4, kreg)
-    splits = max(1, min(sm_count // programs, wgmma_tiles(problem) // (2 * _WGMMA_MIN_TILES)))
-    return WgmmaShape(splits, 3, 2, nvfp4, kreg)
+    tiles = wgmma_tiles(problem)
+    if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
+        return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False, kreg)
+    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg)
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,
