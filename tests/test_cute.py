@@ -181,8 +181,8 @@ def test_explain_says_which_kernel_and_how() -> None:
 @pytest.mark.parametrize(("layout", "tp", "batch", "chosen"), [
     ("fp8_e4m3", 1, 64, True), ("fp8_e4m3", 1, 8, True), ("fp8_e4m3", 1, 4, False), ("fp8_e4m3", 4, 16, False),
     ("fp8_e4m3", 8, 16, True), ("fp8_e4m3", 8, 8, False), ("nvfp4", 8, 16, True), ("nvfp4", 8, 8, False),
-    ("nvfp4", 1, 8, True), ("nvfp4", 1, 4, False)])
-def test_auto_takes_the_wgmma_kernel_from_16_programs_of_8_heads_or_32_of_16(layout: str, tp: int, batch: int,
+    ("nvfp4", 4, 16, True), ("nvfp4", 4, 8, False), ("nvfp4", 1, 4, True), ("nvfp4", 1, 2, False)])
+def test_auto_takes_the_wgmma_kernel_from_16_programs_or_fp8_32_of_16_heads(layout: str, tp: int, batch: int,
                                                                            chosen: bool) -> None:
     problem = attrs.evolve(_problem(batch, geometry=msa.MINIMAX_M3_TP[tp]), kv_layout=layout)
     reasons = CuteBackend().extra_reasons(problem, _hopper())

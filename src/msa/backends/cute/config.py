@@ -207,13 +207,14 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp
 
 
 #: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel
-#: where the wgmma kernel would take them (fp8 and NVFP4 on Hopper), by the query heads a CTA
-#: takes (`wgmma_heads`). H200, M3 at 64K, bench_cute.py (2026-12-02, session 10): 8-head CTAs
-#: (TP8) win from 16 programs (B = 16: fp8 13.8 us against Triton's 15.2, NVFP4 13.2 against
-#: 14.8; B = 8, 8 programs: fp8 12.5 against 12.7, level; B = 1: 11.4 against 11.2); 16-head
-#: CTAs from 32 (TP1 B = 8: fp8 18.7 against 21.6; TP4 B = 16, 16 programs: 16.2 against 15.7;
-#: TP4 B = 8: 15.2 against 12.9; TP1 B = 1: 14.5 against 11.7).
-WGMMA_AUTO_MIN_PROGRAMS = {8: 16, 16: 32}
+#: where the wgmma kernel would take them (fp8 and NVFP4 on Hopper), by cache kind and the query
+#: heads a CTA takes (`wgmma_heads`). H200, M3 at 64K, graph replays (2026-12-02, session 10,
+#: benchmarks/RESULTS.md): 8-head CTAs (TP8) win from 16 programs (B = 16: fp8 14.4 us against
+#: Triton's 15.0, NVFP4 13.8 against 14.9; B = 8, 8 programs: 13.2 / 13.1 against 12.8 / 13.0);
+#: 16-head fp8 CTAs from 32 (TP1 B = 8: 19.2 against 21.5; TP4 B = 16, 16 programs: 17.1
+#: against 15.8; TP1 B = 1: 15.1 against 12.2), 16-head NVFP4 ones from 16 (TP4 B = 16: 15.4
+#: against 16.8; TP4 B = 8: 15.0 against 13.5).
+WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 32, ("nvfp4", 8): 16, ("nvfp4", 16): 16}
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
@@ -221,7 +222,8 @@ WGMMA_TWO_WG_MIN_PROGRAMS = 32
 
 def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
     """The fewest (row, KV head, head chunk) programs `auto` gives the wgmma kernel (`WGMMA_AUTO_MIN_PROGRAMS`)."""
-    return WGMMA_AUTO_MIN_PROGRAMS[wgmma_heads(problem.geometry.group_size)]
+    kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
+    return WGMMA_AUTO_MIN_PROGRAMS[(kind, wgmma_heads(problem.geometry.group_size))]
 
 
 @attrs.frozen
