@@ -119,8 +119,7 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
 @pytest.mark.parametrize(("option", "value", "expected"), [
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
-    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("overlap", "on", "a bool")])
+    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -144,11 +143,7 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
         CuteBackend(kernel="mma", stages=5).config_for(_problem(64), cpu)
     assert CuteBackend(kernel="wgmma", stages=6).config_for(_fp8(64), cpu).stages == 6
     config = CuteBackend(kernel="wgmma").config_for(_problem(64), cpu)
-    assert config.vreg and config.kreg and config.overlap
-    with pytest.raises(MSAInputError, match=r"^overlap: expected False \(or None\) without kreg"):
-        CuteBackend(kernel="wgmma", kreg=False, overlap=True).config_for(_fp8(64), cpu)
-    assert not CuteBackend(kernel="wgmma", kreg=False).config_for(_fp8(64), cpu).overlap
-    assert not CuteBackend(kernel="wgmma", overlap=False).config_for(_fp8(64), cpu).overlap
+    assert config.vreg and config.kreg
 
 
 @pytest.mark.parametrize(("tp", "batch", "expected", "nvfp4"), [
@@ -176,7 +171,6 @@ def test_explain_says_which_kernel_and_how() -> None:
     """`msa explain`'s line for the backend: the kernel, its splits and ring, the score product."""
     text = CuteBackend().strategy(_fp8(64), _hopper()) or ""
     assert "wgmma kernel" in text and "exact product" in text and "1 split" in text and "3-stage" in text
-    assert "softmax under the last tile's value product" in text
     assert "fp8 accumulation" in (CuteBackend(kreg=False).strategy(_fp8(64), _hopper()) or "")
     assert "values in registers" in (CuteBackend().strategy(_problem(256), _hopper()) or "")
     assert "mma kernel" in (CuteBackend(kernel="mma").strategy(_problem(8), _hopper()) or "")
@@ -355,13 +349,12 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5, 9, 17, 33]),
        stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
-       vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
-       overlap=st.sampled_from([None, False]))
+       vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
-                                                                  kreg: bool | None, overlap: bool | None) -> None:
+                                                                  kreg: bool | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
@@ -369,12 +362,10 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
-         f"overlap={overlap}")
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
-    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
-                          overlap=overlap)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -490,7 +481,7 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
 
     wgs = 1 if final else 2
     spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=wgs,
-                    kind=kind, kreg=kreg, overlap=kreg and stages != 4)  # (the default with kreg, and without)
+                    kind=kind, kreg=kreg)
     host = build_sm90(spec)
     fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)

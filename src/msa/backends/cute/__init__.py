@@ -45,7 +45,6 @@ from msa.backends.cute.config import (
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
-    WGMMA_OVERLAP,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
@@ -102,9 +101,8 @@ class CuteBackend(Backend[CutePlan]):
 
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
-    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg`, `kreg` and `overlap`
-    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `overlap` needs `kreg`: `sm90.Sm90Spec` says what each
-    does). A value no kernel takes raises
+    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg` and `kreg` ("wgmma";
+    NVFP4 needs both: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
     `MSAInputError` here; one the step's kernel cannot take (too many stages for its shared
     memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
@@ -127,7 +125,7 @@ class CuteBackend(Backend[CutePlan]):
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
-                 kreg: bool | None = None, overlap: bool | None = None) -> None:
+                 kreg: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -135,7 +133,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
-        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("overlap", overlap)):
+        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel
         self.fused = fused
@@ -143,7 +141,6 @@ class CuteBackend(Backend[CutePlan]):
         self.wgs = wgs
         self.vreg = vreg
         self.kreg = kreg
-        self.overlap = overlap
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -217,9 +214,6 @@ class CuteBackend(Backend[CutePlan]):
             vreg = shape.vreg if self.vreg is None else self.vreg
             kreg = shape.kreg if self.kreg is None else self.kreg
             self._check_wgmma_shape(problem, stages, wgs, vreg, kreg)
-            _check_option("overlap", self.overlap, "False (or None) without kreg: the softmax overlaps the value "
-                          "product only with the keys in registers", kreg or not self.overlap)
-            overlap = kreg and (WGMMA_OVERLAP if self.overlap is None else self.overlap)
             if self.num_splits is not None:
                 splits = self.num_splits
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
@@ -229,7 +223,7 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
-                              vreg=vreg, kreg=kreg, overlap=overlap)
+                              vreg=vreg, kreg=kreg)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
@@ -253,9 +247,8 @@ class CuteBackend(Backend[CutePlan]):
         scores = ("keys decoded into f16 registers, f16 query (exact product)" if c.kreg
                   else "fp8 product of the query's fp8 terms (fp8 accumulation, ~1e-3 relative error)")
         values = "values in registers" if c.vreg else "values through an f16 copy in shared memory"
-        under = "; the softmax under the last tile's value product" if c.overlap else ""
         return (f"wgmma kernel (TMA ring + WGMMA, sm_90a): {splits}, {c.stages}-stage ring, {c.wgs} warpgroup"
-                f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}{under}")
+                f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}")
 
     @staticmethod
     def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool) -> None:

@@ -12,7 +12,7 @@ __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
-    "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG", "WGMMA_OVERLAP",
+    "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
     "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS",
@@ -73,9 +73,6 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
 #: Wider steps keep the fp8 product (`choose_wgmma_shape`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
-#: The wgmma kernel's steps with the keys in registers run a tile's softmax under the last tile's
-#: value product (`sm90.Sm90Spec.overlap`).
-WGMMA_OVERLAP = True
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
@@ -108,8 +105,6 @@ class CuteConfig:
         for NVFP4).
     kreg: the wgmma kernel decodes the keys into f16 registers for an f16 score product (exact;
         always for NVFP4) instead of the fp8 product of the query's fp8 terms.
-    overlap: (with `kreg`) the wgmma kernel's softmax of a tile runs while the last tile's value
-        product is in flight (`sm90.Sm90Spec`).
     """
 
     num_splits: int
@@ -122,7 +117,6 @@ class CuteConfig:
     wgs: int = 1
     vreg: bool = False
     kreg: bool = False
-    overlap: bool = False
 
 
 def max_stages(kind: str) -> int:

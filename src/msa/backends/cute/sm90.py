@@ -97,9 +97,6 @@ class Sm90Spec:
         kreg: the keys are decoded from the tile into the score product's f16 A registers and
             the query is one f16 term (an f16 product with f32 accumulation: exact for bf16 and
             f16 queries) instead of the fp8 product of the query's fp8 terms. Always for NVFP4.
-        overlap: (with `kreg`) a tile's scores are committed before the last tile's value
-            product and waited for alone, so that the softmax runs while that product is in
-            flight (the weights go to shared memory once it has retired).
     """
 
     page_size: int
@@ -116,7 +113,6 @@ class Sm90Spec:
     vreg: bool = False
     kind: str = "fp8"
     kreg: bool = False
-    overlap: bool = False
 
 
 def _flag(cond: Any) -> Any:
@@ -185,9 +181,6 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     NC = spec.nc
     ST = spec.stages
     KREG = spec.kreg or NVFP4  # keys in f16 registers, one f16 query term
-    OVERLAP = spec.overlap
-    if OVERLAP and not KREG:
-        raise ValueError("the softmax overlaps the value product only with the keys in registers (kreg)")
     TERMS = 1 if KREG else Q_TERMS[spec.q_kind]
     LAG = spec.lag
     WGS = spec.wgs
@@ -513,7 +506,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
             # scores: S^T = K . (sum of the q terms)^T
             warpgroup.fence()
-            if cutlass.const_expr(KREG and not OVERLAP):
+            if cutlass.const_expr(KREG):
                 # the last tile's values (zeros before the first): issued here, after this tile's key
                 # registers are written, so that no register a wgmma reads is written while one is
                 # in flight (ptxas would serialise them all)
@@ -526,109 +519,99 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     else:
                         cute.gemm(qk_mma, accS, tSrK[(None, None, kk, stage)], tSrQ[(None, None, kk, t)], accS)
             warpgroup.commit_group()
-            if cutlass.const_expr(OVERLAP):  # the last tile's values, a group of their own after the scores
-                cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)  # this tile's scores retired; the values may still run
 
-            # the values (read, then converted once the last tile's product retired) and the
-            # softmax of the scores, in that order, or the softmax first (`overlap`: under the
-            # last tile's value product)
-            for phase in cutlass.range_constexpr(2):
-                if cutlass.const_expr(phase == (1 if OVERLAP else 0)):
-                    if cutlass.const_expr(VREG):
-                        # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its word of
-                        # the thread's dims (the 128-byte swizzle of an fp8 row, the 64-byte one of an
-                        # NVFP4 row, moves 16-byte chunks only)
-                        vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
-                        v_at = v_base + stage * STAGE_BYTES
-                        for kk in cutlass.range_constexpr(4):
-                            for j in cutlass.range_constexpr(4):
-                                key = 16 * kk + 2 * t4 + (j % 2) + 8 * (j // 2)
-                                if cutlass.const_expr(NVFP4):
-                                    vw[4 * kk + j] = ptx.lds(v_at + (16 * kk + (j % 2) + 8 * (j // 2)) * CODE, 1)[0]
-                                else:
-                                    addr = v_base + stage * STAGE_BYTES + key * D
-                                    vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
-                                    if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
-                                        if key >= vis:
-                                            vw[4 * kk + j] = Int32(0)
+            if cutlass.const_expr(VREG):
+                # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its word of
+                # the thread's dims (the 128-byte swizzle of an fp8 row, the 64-byte one of an
+                # NVFP4 row, moves 16-byte chunks only)
+                vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
+                v_at = v_base + stage * STAGE_BYTES
+                for kk in cutlass.range_constexpr(4):
+                    for j in cutlass.range_constexpr(4):
+                        key = 16 * kk + 2 * t4 + (j % 2) + 8 * (j // 2)
                         if cutlass.const_expr(NVFP4):
-                            # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
-                            # token quads; a token past the row's end gets a zero scale (so zero values)
-                            vsc = cute.make_rmem_tensor(cute.make_layout(8), Int32)
-                            vs_at = vs_row + stage * SCALE_BYTES
-                            for kk in cutlass.range_constexpr(4):
-                                for half in cutlass.range_constexpr(2):
-                                    bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
-                                    if vis < TILE:
-                                        bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
-                                    vsc[2 * kk + half] = ptx.e4m3x4_to_f16x2(bits)[0]
-                        warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
-                        for kk in cutlass.range_constexpr(4):
-                            for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
-                                wa, wb = vw[4 * kk + 2 * half], vw[4 * kk + 2 * half + 1]
-                                # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
-                                # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
-                                # dim 32 w + 4 g + 2 mb + h
-                                if cutlass.const_expr(NVFP4):
-                                    dims = ptx.nvfp4_v_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
-                                    for i in cutlass.range_constexpr(4):
-                                        tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
-                                else:
-                                    for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
-                                        pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
-                                        tOrV32[half * 2, mb, kk] = pair[0]
-                                        tOrV32[half * 2 + 1, mb, kk] = pair[1]
-                    else:
-                        vsrc = cvt_thr.partition_S(sV[None, None, stage])
-                        NCV = cute.size(vsrc, mode=[1])
-                        VW = cute.size(vsrc, mode=[0])
-                        v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
-                        for c in cutlass.range_constexpr(NCV):
-                            cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
-                        warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+                            vw[4 * kk + j] = ptx.lds(v_at + (16 * kk + (j % 2) + 8 * (j // 2)) * CODE, 1)[0]
+                        else:
+                            addr = v_base + stage * STAGE_BYTES + key * D
+                            vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
+                            if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
+                                if key >= vis:
+                                    vw[4 * kk + j] = Int32(0)
+                if cutlass.const_expr(NVFP4):
+                    # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
+                    # token quads; a token past the row's end gets a zero scale (so zero values)
+                    vsc = cute.make_rmem_tensor(cute.make_layout(8), Int32)
+                    vs_at = vs_row + stage * SCALE_BYTES
+                    for kk in cutlass.range_constexpr(4):
+                        for half in cutlass.range_constexpr(2):
+                            bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
+                            if vis < TILE:
+                                bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
+                            vsc[2 * kk + half] = ptx.e4m3x4_to_f16x2(bits)[0]
+                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+                for kk in cutlass.range_constexpr(4):
+                    for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
+                        wa, wb = vw[4 * kk + 2 * half], vw[4 * kk + 2 * half + 1]
+                        # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
+                        # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
+                        # dim 32 w + 4 g + 2 mb + h
+                        if cutlass.const_expr(NVFP4):
+                            dims = ptx.nvfp4_v_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
+                            for i in cutlass.range_constexpr(4):
+                                tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
+                        else:
+                            for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
+                                pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
+                                tOrV32[half * 2, mb, kk] = pair[0]
+                                tOrV32[half * 2 + 1, mb, kk] = pair[1]
+            else:
+                vsrc = cvt_thr.partition_S(sV[None, None, stage])
+                NCV = cute.size(vsrc, mode=[1])
+                VW = cute.size(vsrc, mode=[0])
+                v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
+                for c in cutlass.range_constexpr(NCV):
+                    cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
+                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
 
-                        vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
-                        for c in cutlass.range_constexpr(NCV):
-                            vh.store(v8[(None, c)].load().to(f16))
-                            if vis < TILE:  # the row ends inside this tile: zero the values past it
-                                for i in cutlass.range_constexpr(VW):
-                                    if vcoord[i, c, 0][0] >= vis:
-                                        vh[i] = f16(0.0)
-                            cute.autovec_copy(vh, vdst[None, c, 0])
-                if cutlass.const_expr(phase == (0 if OVERLAP else 1)):
-                    # scaled, masked scores
-                    for e in cutlass.range_constexpr(NS):
-                        x = accS[e] * cs[e]
-                        if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
-                            if tScS[e][0] >= vis:
-                                x = Float32(_NEG_INF)
-                        sv[e] = x
-                    # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
-                    buf = (2 * wg + u % 2) * NC
-                    for ci in cutlass.range_constexpr(NCOL):
-                        e = 4 * (ci // 2) + ci % 2
-                        m = ptx.fmax(sv[e], sv[e + 2])
-                        m = ptx.fmax(m, ptx.shfl_xor(m, 4))
-                        m = ptx.fmax(m, ptx.shfl_xor(m, 8))
-                        m = ptx.fmax(m, ptx.shfl_xor(m, 16))
-                        if lane < 4:
-                            colmax[wwarp, buf + tScS[e][1]] = m
-                    if cutlass.const_expr(not LAG):
-                        _wg_barrier(wg, WGS)
-                        for ci in cutlass.range_constexpr(NCOL):
-                            mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
-                    else:
-                        for ci in cutlass.range_constexpr(NCOL):
-                            mnew[ci] = moff[ci]
-                    over = Int32(0)
-                    for e in cutlass.range_constexpr(NS):
-                        d = sv[e] - mnew[2 * (e // 4) + e % 2]
-                        if cutlass.const_expr(LAG):
-                            over = over | _flag(d > _LAG_LIMIT)
-                        pk[e] = cute.arch.exp2(d)
+                vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
+                for c in cutlass.range_constexpr(NCV):
+                    vh.store(v8[(None, c)].load().to(f16))
+                    if vis < TILE:  # the row ends inside this tile: zero the values past it
+                        for i in cutlass.range_constexpr(VW):
+                            if vcoord[i, c, 0][0] >= vis:
+                                vh[i] = f16(0.0)
+                    cute.autovec_copy(vh, vdst[None, c, 0])
+
+            # scaled, masked scores
             for e in cutlass.range_constexpr(NS):
+                x = accS[e] * cs[e]
+                if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
+                    if tScS[e][0] >= vis:
+                        x = Float32(_NEG_INF)
+                sv[e] = x
+            # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
+            buf = (2 * wg + u % 2) * NC
+            for ci in cutlass.range_constexpr(NCOL):
+                e = 4 * (ci // 2) + ci % 2
+                m = ptx.fmax(sv[e], sv[e + 2])
+                m = ptx.fmax(m, ptx.shfl_xor(m, 4))
+                m = ptx.fmax(m, ptx.shfl_xor(m, 8))
+                m = ptx.fmax(m, ptx.shfl_xor(m, 16))
+                if lane < 4:
+                    colmax[wwarp, buf + tScS[e][1]] = m
+            if cutlass.const_expr(not LAG):
+                _wg_barrier(wg, WGS)
+                for ci in cutlass.range_constexpr(NCOL):
+                    mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+            else:
+                for ci in cutlass.range_constexpr(NCOL):
+                    mnew[ci] = moff[ci]
+            over = Int32(0)
+            for e in cutlass.range_constexpr(NS):
+                d = sv[e] - mnew[2 * (e // 4) + e % 2]
+                if cutlass.const_expr(LAG):
+                    over = over | _flag(d > _LAG_LIMIT)
+                pk[e] = cute.arch.exp2(d)
                 sP_kh[tScS[e]] = pk[e].to(f16)
             cute.arch.fence_proxy("async.shared", space="cta")
             if cutlass.const_expr(LAG):
