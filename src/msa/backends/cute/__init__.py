@@ -149,10 +149,9 @@ class CuteBackend(Backend[CutePlan]):
     def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
         g = problem.geometry
         reasons = []
-        if self.kernel == "wgmma":
-            why = wgmma_serves(problem, platform.capability)
-            if why is not None:
-                reasons.append(f"kernel='wgmma' was asked for: {why}")
+        wgmma_why = wgmma_serves(problem, platform.capability)
+        if self.kernel == "wgmma" and wgmma_why is not None:
+            reasons.append(f"kernel='wgmma' was asked for: {wgmma_why}")
         if g.page_size % 16:
             reasons.append(f"page size {g.page_size} is not a multiple of 16")
         if g.topk > 32:
@@ -161,10 +160,9 @@ class CuteBackend(Backend[CutePlan]):
             reasons.append("q/out rows not 4-byte or cache pages not 16-byte aligned (it loads them as vectors; the "
                            "triton backend takes any alignment)")
         fp8 = problem.kv_layout == "fp8_e4m3"
-        wgmma_why = wgmma_serves(problem, platform.capability)
         on_wgmma = wgmma_why is None and self.kernel_for(problem, platform) == "wgmma"
-        if not requested and on_wgmma and wgmma_programs(problem) < wgmma_auto_min_programs(problem):
-            least = wgmma_auto_min_programs(problem)
+        least = wgmma_auto_min_programs(problem)
+        if not requested and on_wgmma and wgmma_programs(problem) < least:
             reasons.append(f"auto: fewer than {least} (row, KV head, head chunk) programs of "
                            f"{wgmma_heads(g.group_size)} heads, where the Triton kernel measured as fast or faster")
         elif not requested and fp8 and not on_wgmma:
