@@ -349,12 +349,13 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5, 9, 17, 33]),
        stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
-       vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]))
+       vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
+       min_ctas=st.sampled_from([None, 4]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
-                                                                  kreg: bool | None) -> None:
+                                                                  kreg: bool | None, min_ctas: int | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
@@ -362,10 +363,12 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg}")
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
+         f"min_ctas={min_ctas}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
-    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg)
+    backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
+                          min_ctas=min_ctas)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -375,6 +378,40 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma [{hostile} splits={splits}]",
                           atol=gpu_atol(hostile.kwargs))
 
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize("keys", ["zero", "random"])
+def test_the_nvfp4_wgmma_kernel_decodes_every_code_and_every_finite_scale_byte(keys: str) -> None:
+    """NVFP4 caches of random bytes: every E2M1 code, and block scales of every finite E4M3 byte
+    (negative, subnormal and 448 among them), against the reference on the same bytes. With
+    zero keys every visible value of a row weighs the same, so each decoded value reaches the
+    output; with random keys the scores span the whole range too. The kernel's decode
+    (`ptx.nvfp4_f16_pairs`: codes at 2^-14, scales at 2^7) is exact; what differs is f32 sums
+    and the f16 outputs' rounding (2^-11 of a value; Triton measured within 2e-4 of the row's
+    largest value here, on the CPU)."""
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=3, context_len=4096, kv_cache_dtype="nvfp4",
+                            q_dtype=torch.float16, device="cuda", seed=random.randrange(2**31))
+    cache = step.kv_cache
+    assert isinstance(cache, torch.Tensor)
+    slots = cache.view(cache.shape[0], cache.shape[1], -1)
+    codes = cache.shape[2] * 64  # the slot's code bytes (head_dim 128: 64 a token), then its scales
+    slots[..., :codes] = torch.randint(0, 256, slots[..., :codes].shape, generator=gen, device="cuda",
+                                       dtype=torch.uint8)
+    finite = torch.randint(0, 254, slots[..., codes:].shape, generator=gen, device="cuda", dtype=torch.int16)
+    finite = finite + (finite >= 0x7F).to(torch.int16)  # 0..0x7E, 0x80..0xFE: no NaN byte
+    slots[..., codes:] = finite.to(torch.uint8)
+    if keys == "zero":
+        slots[:, 0::2, :codes] = 0
+    problem, inputs = check_decode_inputs(**step.kwargs())
+    out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    CuteBackend(kernel="wgmma").run_step(problem, inputs, out, None)
+    ref = msa.sparse_decode(**step.kwargs(), backend="reference").float()
+    scale = ref.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    err = ((out.float() - ref) / scale).abs().amax().item()
+    assert err <= 2e-3, f"{keys} keys: relative error {err:.2e}"
 
 @pytest.mark.gpu
 @needs_kernel

@@ -15,8 +15,8 @@ from cutlass.cutlass_dsl import T
 
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_b32_plain",
-    "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_v_pairs",
-    "e4m3_v_words", "e4m3x2_scale",
+    "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
+    "e4m3_v_words", "e4m3x2_scale", "e4m3x2_f16_scaled",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
     "any",
@@ -127,6 +127,35 @@ _NIBBLES = ("shl.b32 t, $W, 2; and.b32 lo, t, 0x1C1C1C1C; shl.b32 t, $W, 4; and.
             " or.b32 hi, hi, t;")
 
 
+# Without conversions (Hopper issues a conversion at a quarter of the integer rate): a code's
+# magnitude bits go to f16 bits 9-11 and its sign to bit 15, which is the E2M1 value times 2^-14
+# exactly (the subnormal 0.5 included). `x` holds the four low nibbles of a word as the high bytes
+# of such f16 (sign at bit 7, magnitude at bits 1-3), `y` the four high ones; each result takes
+# two of them, from bytes 0 and 2 or 1 and 3, with zero low bytes.
+_F16_PAIRS = ("shl.b32 t, $4, 1; and.b32 x, t, 0x0E0E0E0E; shl.b32 t, $4, 4; and.b32 t, t, 0x80808080;"
+              " or.b32 x, x, t; shr.b32 t, $4, 3; and.b32 y, t, 0x0E0E0E0E; and.b32 t, $4, 0x80808080;"
+              " or.b32 y, y, t; mov.b32 z, 0;"
+              " prmt.b32 r0, x, z, 0x2404; prmt.b32 r1, y, z, 0x2404; prmt.b32 r2, x, z, 0x3414;"
+              " prmt.b32 r3, y, z, 0x3414;")
+
+
+def nvfp4_f16_pairs(word: Any, scale: Any) -> list[Int32]:
+    """Eight codes (bytes 0-3 of `word`; byte b holds elements 2b, 2b + 1) -> four f16x2
+    registers, each (element i, element i + 4) for i = 0, 1, 2, 3, times the f16x2 `scale`
+    and 2^-14 (exact: an E2M1 value has two significant bits, an E4M3 scale four). With
+    bytes (a0, a1, b0, b1) of two tokens a and b, register i is element i of both, a low."""
+    return _i32(4, "{.reg .b32 t, x, y, z, r0, r1, r2, r3; " + _F16_PAIRS
+                   + " mul.rn.f16x2 $0, r0, $5; mul.rn.f16x2 $1, r1, $5; mul.rn.f16x2 $2, r2, $5;"
+                   " mul.rn.f16x2 $3, r3, $5;}",
+                "=r,=r,=r,=r,r,r", word, scale)
+
+
+def e4m3x2_f16_scaled(bits: Any) -> Int32:
+    """The low two E4M3 bytes of `bits` -> f16x2, each times 128 (exact: at most 448 * 128)."""
+    return _i32(1, "{.reg .b16 x, y; .reg .b32 f, s; mov.b32 {x, y}, $1; cvt.rn.f16x2.e4m3x2 f, x;"
+                   " mov.b32 s, 0x58005800; mul.rn.f16x2 $0, f, s;}", "=r,r", bits)[0]
+
+
 def nvfp4_k_word(word: Any, scale: Any) -> list[Int32]:
     """Four code bytes of one token (elements 8i..8i+7 of its share) -> the f16x2 B-operand
     registers of two mma k-steps, times the f16x2 scale `scale` (both halves the same block
@@ -157,21 +186,6 @@ def nvfp4_v_words(word_a: Any, word_b: Any, scale: Any) -> list[Int32]:
     return _i32(8, "{.reg .b32 t, la, ha, lb, hb, p, f0, f1; .reg .b16 x0, x1; " + body_a + " " + body_b
                    + "".join(cvt) + "}",
                 "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", word_a, word_b, scale)
-
-
-def nvfp4_v_pairs(codes: Any, scale: Any) -> list[Int32]:
-    """Two code bytes of token a (bytes 0-1: elements 0..3) and two of token b (bytes 2-3) ->
-    four f16x2 registers, element i of both tokens in register i (a in the low half), times the
-    f16x2 `scale` (a's block scale low, b's high)."""
-    body = _NIBBLES.replace("$W", "$4")
-    return _i32(4, "{.reg .b32 t, lo, hi, p, q; .reg .b16 x0, x1, y0, y1; .reg .b32 f0, f1, f2, f3; " + body
-                   + " prmt.b32 p, lo, hi, 0x6420; prmt.b32 q, lo, hi, 0x7531;"
-                   " mov.b32 {x0, x1}, p; mov.b32 {y0, y1}, q;"
-                   " cvt.rn.f16x2.e4m3x2 f0, x0; cvt.rn.f16x2.e4m3x2 f1, x1;"
-                   " cvt.rn.f16x2.e4m3x2 f2, y0; cvt.rn.f16x2.e4m3x2 f3, y1;"
-                   " mul.rn.f16x2 $0, f0, $5; mul.rn.f16x2 $1, f1, $5; mul.rn.f16x2 $2, f2, $5;"
-                   " mul.rn.f16x2 $3, f3, $5;}",
-                "=r,=r,=r,=r,r,r", codes, scale)
 
 
 def e4m3_v_words(word_a: Any, word_b: Any) -> list[Int32]:

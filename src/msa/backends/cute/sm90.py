@@ -153,6 +153,14 @@ def _load_split(ms: Any, ls: Any, part: Any, i: int, ml_addr: Any, o_addr: Any, 
             part[4 * k4 + k, i] = vals[k]
 
 
+def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
+    """The thread's weights `pk` (f32) into the f16 weight tile, converted two at a time."""
+    half = cute.make_rmem_tensor(cute.make_layout(ns), cutlass.Float16)
+    half.store(pk.load().to(cutlass.Float16))
+    for e in range(ns):
+        sP_kh[tScS[e]] = half[e]
+
+
 def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: Any, tile: Any, head: Any,
            page: Any) -> None:
     """Start the TMA copies of one tile (tile `tile` of page `page`, KV head `head`) into ring
@@ -291,9 +299,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # the scale factors: host floats times the tensor scales (a plan-owned 1.0 for a float one)
         qk = qk_scale * ptx.ld_f32(sm_p, Int32(1)) * ptx.ld_f32(qs_p, Int32(1)) * ptx.ld_f32(ks_p, Int32(1))
         vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
-        # the decoded NVFP4 codes are the E2M1 values times 2^-6: the scores' factor takes the 64,
-        # and the values' is applied to this CTA's output (the partials are in true units)
-        v_fix = Float32(64.0) if NVFP4 else Float32(1.0)
+        # the decoded NVFP4 elements are the E2M1 values times the block scales times 2^-7 (codes
+        # at 2^-14, scales at 2^7: `ptx.nvfp4_f16_pairs`): the scores' factor takes the 128, and the
+        # values' is applied to this CTA's output (the partials are in true units)
+        v_fix = Float32(128.0) if NVFP4 else Float32(1.0)
         qk = qk * v_fix
 
         # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms, or one
@@ -334,7 +343,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             term.store(xs.load().to(f16))
             for i in cutlass.range_constexpr(EPT):
                 dq = k0 + i
-                sQ[qr, 16 * (dq % 32 // 4) + 2 * (dq // 32) + dq % 2 + 8 * (dq % 4 // 2), 0] = term[i]
+                if cutlass.const_expr(NVFP4):
+                    # NVFP4 keys pair element e of a code word with e + 4 (`ptx.nvfp4_f16_pairs`):
+                    # element e of word w = d % 32 // 8 goes to k-step 2 w + e % 4 // 2, column
+                    # 2 t + 8 (e % 2) + e // 4
+                    e8 = dq % 8
+                    col = 16 * (2 * (dq % 32 // 8) + e8 % 4 // 2) + 2 * (dq // 32) + 8 * (e8 % 2) + e8 // 4
+                else:
+                    col = 16 * (dq % 32 // 4) + 2 * (dq // 32) + dq % 2 + 8 * (dq % 4 // 2)
+                sQ[qr, col, 0] = term[i]
         else:
             for t in cutlass.range_constexpr(TERMS):
                 term = cute.make_rmem_tensor(cute.make_layout(EPT), fp8)
@@ -440,9 +457,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # the thread's scores are NS elements over NCOL columns (heads): element e is column
         # 2 (e // 4) + e % 2, row g or g + 8 (wgmma's accumulator layout)
         NCOL = NS // 2
-        cs = cute.make_rmem_tensor(cute.make_layout(NS), Float32)  # the column scale of each score
-        for e in cutlass.range_constexpr(NS):
-            cs[e] = colscale[tScS[e][1]]
+        cs = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the scale of each of the thread's columns
+        for ci in cutlass.range_constexpr(NCOL):
+            cs[ci] = colscale[tScS[4 * (ci // 2) + ci % 2][1]]
         mcol = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # offset of the sums so far
         lcol = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the thread's sums
         moff = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum through the last tile
@@ -485,10 +502,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 ks_at = ks_row + stage * SCALE_BYTES
                 for hh in cutlass.range_constexpr(2):
                     words = ptx.lds(k_at + hh * 8 * CODE, 4)
-                    sc = ptx.e4m3x4_to_f16x2(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift)[0]
+                    sc = ptx.e4m3x2_f16_scaled(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift)
                     reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
                     for w in cutlass.range_constexpr(4):
-                        regs = ptx.nvfp4_k_word(words[w], reps[w // 2])
+                        regs = ptx.nvfp4_f16_pairs(words[w], reps[w // 2])
                         tSrK32[hh, 0, 2 * w] = regs[0]
                         tSrK32[hh + 2, 0, 2 * w] = regs[1]
                         tSrK32[hh, 0, 2 * w + 1] = regs[2]
@@ -547,7 +564,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
-                            vsc[2 * kk + half] = ptx.e4m3x4_to_f16x2(bits)[0]
+                            vsc[2 * kk + half] = ptx.e4m3x2_f16_scaled(bits)
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
@@ -556,7 +573,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
                         # dim 32 w + 4 g + 2 mb + h
                         if cutlass.const_expr(NVFP4):
-                            dims = ptx.nvfp4_v_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
+                            dims = ptx.nvfp4_f16_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
                             for i in cutlass.range_constexpr(4):
                                 tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
                         else:
@@ -584,7 +601,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
             # scaled, masked scores
             for e in cutlass.range_constexpr(NS):
-                x = accS[e] * cs[e]
+                x = accS[e] * cs[2 * (e // 4) + e % 2]
                 if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
                     if tScS[e][0] >= vis:
                         x = Float32(_NEG_INF)
@@ -612,7 +629,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 if cutlass.const_expr(LAG):
                     over = over | _flag(d > _LAG_LIMIT)
                 pk[e] = cute.arch.exp2(d)
-                sP_kh[tScS[e]] = pk[e].to(f16)
+            _store_weights(sP_kh, tScS, pk, NS)
             cute.arch.fence_proxy("async.shared", space="cta")
             if cutlass.const_expr(LAG):
                 # the offset (the maximum through the last tile) left some weight above 2^15 (and
@@ -622,7 +639,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                     for e in cutlass.range_constexpr(NS):
                         pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
-                        sP_kh[tScS[e]] = pk[e].to(f16)
+                    _store_weights(sP_kh, tScS, pk, NS)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     _wg_barrier(wg, WGS)
             else:
