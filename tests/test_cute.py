@@ -379,7 +379,6 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
                           atol=gpu_atol(hostile.kwargs))
 
 
-
 @pytest.mark.gpu
 @needs_wgmma
 @pytest.mark.parametrize("keys", ["zero", "random"])
@@ -397,7 +396,7 @@ def test_the_nvfp4_wgmma_kernel_decodes_every_code_and_every_finite_scale_byte(k
     cache = step.kv_cache
     assert isinstance(cache, torch.Tensor)
     slots = cache.view(cache.shape[0], cache.shape[1], -1)
-    codes = cache.shape[2] * 64  # the slot's code bytes (head_dim 128: 64 a token), then its scales
+    codes = cache.shape[2] * msa.MINIMAX_M3_TP[8].head_dim // 2  # the slot's code bytes, then its scales
     slots[..., :codes] = torch.randint(0, 256, slots[..., :codes].shape, generator=gen, device="cuda",
                                        dtype=torch.uint8)
     finite = torch.randint(0, 254, slots[..., codes:].shape, generator=gen, device="cuda", dtype=torch.int16)
@@ -412,6 +411,7 @@ def test_the_nvfp4_wgmma_kernel_decodes_every_code_and_every_finite_scale_byte(k
     scale = ref.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
     err = ((out.float() - ref) / scale).abs().amax().item()
     assert err <= 2e-3, f"{keys} keys: relative error {err:.2e}"
+
 
 @pytest.mark.gpu
 @needs_kernel

@@ -16,7 +16,7 @@ from cutlass.cutlass_dsl import T
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ld_b32_plain",
     "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
-    "e4m3_v_words", "e4m3x2_scale", "e4m3x2_f16_scaled",
+    "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc", "ballot",
     "any",
@@ -150,12 +150,6 @@ def nvfp4_f16_pairs(word: Any, scale: Any) -> list[Int32]:
                 "=r,=r,=r,=r,r,r", word, scale)
 
 
-def e4m3x2_f16_scaled(bits: Any) -> Int32:
-    """The low two E4M3 bytes of `bits` -> f16x2, each times 128 (exact: at most 448 * 128)."""
-    return _i32(1, "{.reg .b16 x, y; .reg .b32 f, s; mov.b32 {x, y}, $1; cvt.rn.f16x2.e4m3x2 f, x;"
-                   " mov.b32 s, 0x58005800; mul.rn.f16x2 $0, f, s;}", "=r,r", bits)[0]
-
-
 def nvfp4_k_word(word: Any, scale: Any) -> list[Int32]:
     """Four code bytes of one token (elements 8i..8i+7 of its share) -> the f16x2 B-operand
     registers of two mma k-steps, times the f16x2 scale `scale` (both halves the same block
@@ -196,10 +190,16 @@ def e4m3_v_words(word_a: Any, word_b: Any) -> list[Int32]:
                    " cvt.rn.f16x2.e4m3x2 $2, y0; cvt.rn.f16x2.e4m3x2 $3, y1;}", "=r,=r,=r,=r,r,r", word_a, word_b)
 
 
-def e4m3x2_scale(bits: Any) -> Int32:
-    """The low two E4M3 bytes of `bits` -> f16x2, each times 64 (exact: at most 448 * 64)."""
+#: The f16 bits of the powers of two a block scale is taken times (`e4m3x2_scale`).
+_F16_POW2 = {64: 0x5400, 128: 0x5800}
+
+
+def e4m3x2_scale(bits: Any, times: int = 64) -> Int32:
+    """The low two E4M3 bytes of `bits` -> f16x2, each times `times` (64 or 128; exact: at most
+    448 * 128). `cvt` keeps a negative or NaN scale."""
+    half = _F16_POW2[times]
     return _i32(1, "{.reg .b16 x, y; .reg .b32 f, s; mov.b32 {x, y}, $1; cvt.rn.f16x2.e4m3x2 f, x;"
-                   " mov.b32 s, 0x54005400; mul.rn.f16x2 $0, f, s;}", "=r,r", bits)[0]
+                   f" mov.b32 s, 0x{half:04X}{half:04X}; mul.rn.f16x2 $0, f, s;}}", "=r,r", bits)[0]
 
 
 def replicate_half(pair: Any, high: bool) -> Int32:

@@ -502,7 +502,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 ks_at = ks_row + stage * SCALE_BYTES
                 for hh in cutlass.range_constexpr(2):
                     words = ptx.lds(k_at + hh * 8 * CODE, 4)
-                    sc = ptx.e4m3x2_f16_scaled(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift)
+                    sc = ptx.e4m3x2_scale(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift, 128)
                     reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
                     for w in cutlass.range_constexpr(4):
                         regs = ptx.nvfp4_f16_pairs(words[w], reps[w // 2])
@@ -564,7 +564,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
-                            vsc[2 * kk + half] = ptx.e4m3x2_f16_scaled(bits)
+                            vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
