@@ -246,8 +246,9 @@ def test_wgmma_splits_fill_the_slots_once_and_keep_four_tiles(batch: int, sms: i
         assert 1 <= splits <= g.topk * g.page_size // 64 // (4 * wgs)
         if splits > 1:
             assert wgmma_programs(problem) * splits <= wgmma_ctas_per_sm(stages, wgs) * sms
-    assert [wgmma_ctas_per_sm(st, w) for st, w in ((2, 1), (3, 1), (2, 2), (3, 2))] == [3, 3, 2, 1]
-    assert wgmma_ctas_per_sm(2, 1, vreg=True) == 5  # by shared memory (its 124 registers allow 4)
+    assert [wgmma_ctas_per_sm(st, w) for st, w in ((2, 1), (3, 1), (2, 2), (3, 2))] == [4, 3, 2, 1]
+    assert wgmma_ctas_per_sm(2, 1, vreg=True) == 5  # by shared memory (its 120 registers allow 4)
+    assert wgmma_ctas_per_sm(3, 1, vreg=True) == 4  # 56 KiB exactly: 4 x (56 + 1) KiB = 228 KiB
 
 
 def test_measured_choices() -> None:

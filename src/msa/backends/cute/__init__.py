@@ -261,7 +261,7 @@ class CuteBackend(Backend[CutePlan]):
         need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
                                 wgmma_heads(problem.geometry.group_size), q_bytes)
         _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "
-                      f"warpgroups need {need} bytes; an SM has {SM90_SMEM})", need <= SM90_SMEM)
+                      f"warpgroups need {need} bytes; a CTA may have {SM90_SMEM})", need <= SM90_SMEM)
 
     def plan(self, problem: DecodeProblem, tables: StepTables) -> CutePlan:
         from msa.backends.cute.launch import CuteWorkspace, prepare

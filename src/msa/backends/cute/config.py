@@ -84,8 +84,10 @@ Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e
 #: fp8 terms of the query in the wgmma kernel's fp8 score product, per query kind (exact for bf16
 #: with two, for f16 with three). Its NVFP4 product takes one f16 term for every query kind.
 Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
-#: Shared memory one SM of compute capability 9.x gives its CTAs.
+#: Shared memory one CTA may take on compute capability 9.x.
 SM90_SMEM = 227 * 1024
+#: Shared memory of one SM of compute capability 9.x, and what each resident CTA of it reserves.
+SM90_SMEM_PER_SM, SM90_SMEM_RESERVED = 228 * 1024, 1024
 
 
 @attrs.frozen
@@ -186,13 +188,13 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
     nvfp4 = kind == "nvfp4"
     n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64), heads * wgs
     fields = [  # (bytes, alignment) in the struct's order
-        (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), (16, 4),
-        (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4),
-        (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
-        (16 if vreg else 128 * 64 * 2 * wgs, 1024),
         (n_st * 64 * (64 if nvfp4 else 128), 1024), (n_st * 64 * (64 if nvfp4 else 128), 1024),  # keys, values
+        (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
+        (16, 16) if vreg else (128 * 64 * 2 * wgs, 1024),
         (n_st * 512 if nvfp4 else 16, 128), (n_st * 512 if nvfp4 else 16, 128),  # their block scales
-        (4 * (wgs * heads * 132 if nvfp4 else 4), 16)]
+        (4 * (wgs * heads * 132 if nvfp4 else 4), 16),
+        (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), (16, 4),
+        (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4)]
     end = 0
     for size, align in fields:
         end = -(-end // align) * align + size
@@ -200,10 +202,10 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
 
 
 def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8") -> int:
-    """CTAs of the wgmma kernel whose shared memory fits one SM's 227 KiB (`wgmma_smem_bytes`
-    at 128-token pages, 16 heads, a bf16 query): fp8 4 at (2 stages, 1 warpgroup, vreg), 3 at
-    (3, 1), 2 at (2, 2), 1 at (3, 2)."""
-    return max(1, SM90_SMEM // wgmma_smem_bytes(kind, stages, wgs, vreg))
+    """CTAs of the wgmma kernel whose shared memory fits one SM's 228 KiB, 1 KiB reserved a CTA
+    (`wgmma_smem_bytes` at 128-token pages, 16 heads, a bf16 query): fp8 5 at (2 stages, 1
+    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2)."""
+    return max(1, SM90_SMEM_PER_SM // (wgmma_smem_bytes(kind, stages, wgs, vreg) + SM90_SMEM_RESERVED))
 
 
 #: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel

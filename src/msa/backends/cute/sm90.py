@@ -30,8 +30,10 @@ split). Its selected pages are walked as 64-token tiles:
 - **Values.** `O^T += V^T P^T` (`wgmma` M = head dim, N = `nc`) with f16 probabilities in shared
   memory, issued asynchronously and overlapping the next tile's copy wait and scores. The value
   operand is either an f16 copy of the fp8 tile in shared memory, or (`vreg`; always for NVFP4)
-  decoded from the tile straight into A-operand registers, the product's rows a permutation of
-  the head dimensions undone in the epilogue.
+  read from the tile with `ldmatrix .trans` (eight tokens' 16-byte chunks a matrix: each word a
+  thread gets is two tokens' bytes of its dimensions, the pairs the A operand wants) and decoded
+  into A-operand registers, the product's rows a permutation of the head dimensions undone in
+  the epilogue.
 
 One split writes the normalised output (and LSE); several write the Triton backend's workspace
 partials, which its merge kernel combines, or (`fused`) the last split of a program to finish
@@ -88,10 +90,11 @@ class Sm90Spec:
         wgs: consumer warpgroups per CTA (1 or 2): each walks every `wgs`-th tile of the split
             through its own ring, and the CTA merges their states at the end (twice the tiles in
             flight for one prologue).
-        vreg: the values are the second product's A operand in registers, each thread reading
-            its four head dimensions of a token with one 4-byte shared load straight from the TMA
-            tile (the product's rows are a permutation of the head dimensions, undone in the
-            epilogue) instead of an f16 copy of the tile in shared memory. Required for NVFP4.
+        vreg: the values are the second product's A operand in registers, read straight from
+            the TMA tile with `ldmatrix .trans` (a thread gets two tokens' bytes of its head
+            dimensions in one word; the product's rows are a permutation of the head dimensions,
+            undone in the epilogue) instead of an f16 copy of the tile in shared memory.
+            Required for NVFP4.
         kind: the cache, "fp8" (E4M3 keys and values) or "nvfp4" (head slots of E2M1 codes and
             E4M3 block scales).
         kreg: the keys are decoded from the tile into the score product's f16 A registers and
@@ -423,14 +426,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         if cutlass.const_expr(VREG):
             tOrV = pv_mma.make_fragment_A(pv_thr.partition_shape_A((D, TILE)))
             tOrV32 = cute.recast_tensor(tOrV, Int32)  # f16 pairs (two tokens of one row)
-            # the thread's head dimensions of a token: 32 w + 4 g .. + 3 (one word of an fp8 row;
-            # two bytes of an NVFP4 one, in the word of dims 32 w + 8 (g // 2) .. + 7)
+            # the values are read with `ldmatrix .trans` (`ptx.ldsm_t`), each matrix eight tokens'
+            # 16-byte chunks of the warp's 32 head dimensions: a thread gets the two bytes at
+            # 2 g of tokens 2 t4 and 2 t4 + 1 (one NVFP4 word: dims 32 w + 4 g .. + 3 of both; an
+            # fp8 one: dims 32 w + 16 c + 2 g, + 1 of chunk c). This lane's row address: token
+            # `lane` of the first read (+ 32 a read, NVFP4: matrix m is tokens 8 m ..), or token
+            # 8 ((lane // 8) % 2) + lane % 8, chunk 2 w + lane // 16 (+ 16 tokens a read, fp8),
+            # the chunk moved by the swizzle (64-byte: ^= row // 2 % 4; 128-byte: ^= row % 8)
             if cutlass.const_expr(NVFP4):
-                # key 16 kk + 2 t4 + ... of a tile: row // 2 % 4 = t4, so the swizzled chunk is w ^ t4
-                v_base = st.sV.data_ptr().toint() + ((wwarp ^ t4) * 16) + g // 2 * 4 + 2 * t4 * CODE
-                v_sel = Int32(0x5410) + (g % 2) * Int32(0x2222)  # (token a, token b)'s two bytes
+                v_base = st.sV.data_ptr().toint() + lane * CODE + ((wwarp ^ (lane // 2 % 4)) * 16)
             else:
-                v_base = st.sV.data_ptr().toint() + wwarp * 32 + g * 4
+                v_row = 8 * (lane // 8 % 2) + lane % 8
+                v_base = st.sV.data_ptr().toint() + v_row * D + (((2 * wwarp + lane // 16) ^ (lane % 8)) * 16)
         else:
             sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
             tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
@@ -541,19 +548,19 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its word of
                 # the thread's dims (the 128-byte swizzle of an fp8 row, the 64-byte one of an
                 # NVFP4 row, moves 16-byte chunks only)
+                # NVFP4: word 4 a + m is tokens (16 kk + 8 half + 2 t4, + 1), kk = 2 a + m // 2,
+                # half = m % 2; fp8: word 4 kk + m is tokens (16 kk + 8 half + 2 t4, + 1) of chunk
+                # c, half = m % 2, c = m // 2
                 vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
                 v_at = v_base + stage * STAGE_BYTES
-                for kk in cutlass.range_constexpr(4):
-                    for j in cutlass.range_constexpr(4):
-                        key = 16 * kk + 2 * t4 + (j % 2) + 8 * (j // 2)
-                        if cutlass.const_expr(NVFP4):
-                            vw[4 * kk + j] = ptx.lds(v_at + (16 * kk + (j % 2) + 8 * (j // 2)) * CODE, 1)[0]
-                        else:
-                            addr = v_base + stage * STAGE_BYTES + key * D
-                            vw[4 * kk + j] = ptx.lds(addr ^ ((key % 8) * 16), 1)[0]
-                            if vis < TILE:  # noqa: SIM102 - the row ends inside this tile: zero what is past it
-                                if key >= vis:
-                                    vw[4 * kk + j] = Int32(0)
+                for a in cutlass.range_constexpr(2 if NVFP4 else 4):
+                    words = ptx.ldsm_t(v_at + a * (32 * CODE if NVFP4 else 16 * D))
+                    for m in cutlass.range_constexpr(4):
+                        vw[4 * a + m] = words[m]
+                if cutlass.const_expr(not NVFP4):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                    if vis < TILE:  # the row ends inside this tile: zero the tokens past it
+                        for i in cutlass.range_constexpr(16):
+                            vw[i] = ptx.keep_low_halves(vw[i], vis - (16 * (i // 4) + 8 * (i % 2) + 2 * t4))
                 if cutlass.const_expr(NVFP4):
                     # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
                     # token quads; a token past the row's end gets a zero scale (so zero values)
@@ -568,17 +575,17 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
-                        wa, wb = vw[4 * kk + 2 * half], vw[4 * kk + 2 * half + 1]
                         # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
                         # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
-                        # dim 32 w + 4 g + 2 mb + h
+                        # dim 32 w + 4 g + 2 mb + h (NVFP4), 32 w + 16 mb + 2 g + h (fp8)
                         if cutlass.const_expr(NVFP4):
-                            dims = ptx.nvfp4_f16_pairs(ptx.prmt(wa, wb, v_sel), vsc[2 * kk + half])
+                            dims = ptx.nvfp4_f16_pairs(vw[4 * (kk // 2) + 2 * (kk % 2) + half], vsc[2 * kk + half])
                             for i in cutlass.range_constexpr(4):
                                 tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
                         else:
-                            for mb in cutlass.range_constexpr(2):  # dims 2 mb, 2 mb + 1: rows g, g + 8
-                                pair = ptx.e4m3x4_to_f16x2(ptx.prmt(wa, wb, 0x5140 if mb == 0 else 0x7362))
+                            for mb in cutlass.range_constexpr(2):  # chunk mb: dims 2 g, 2 g + 1 in rows g, g + 8
+                                # bytes (a0, a1, b0, b1) -> (a0, b0, a1, b1): f16 pairs of one dim
+                                pair = ptx.e4m3x4_to_f16x2(ptx.prmt(vw[4 * kk + 2 * mb + half], Int32(0), 0x3120))
                                 tOrV32[half * 2, mb, kk] = pair[0]
                                 tOrV32[half * 2 + 1, mb, kk] = pair[1]
             else:
@@ -692,8 +699,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                   cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, ST * STAGE_BYTES // 4)))
         for e in cutlass.range_constexpr(NO):
             d = tOcO[e][0]
-            if cutlass.const_expr(VREG):  # product row 64 mb + 16 w + 8 h + g is dim 32 w + 4 g + 2 mb + h
+            if cutlass.const_expr(VREG and NVFP4):  # product row 64 mb + 16 w + 8 h + g: dim 32 w + 4 g + 2 mb + h
                 d = 32 * (d % 64 // 16) + 4 * (d % 8) + 2 * (d // 64) + d % 16 // 8
+            elif cutlass.const_expr(VREG):  # fp8: dim 32 w + 16 mb + 2 g + h
+                d = 32 * (d % 64 // 16) + 16 * (d // 64) + 2 * (d % 8) + d % 16 // 8
             sO[tOcO[e][1], d, wg] = accO[e]
         cute.arch.barrier()
 
@@ -828,7 +837,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         n_o = WGS * NC * OROW if NVFP4 else 4
 
         @cute.struct
-        class Storage:
+        class Storage:  # the 1024-aligned operand buffers first, the small fields after (no padding between)
+            sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[f16 if KREG else fp8, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
+            sVb: cute.struct.Align[cute.struct.MemRange[f16, n_vb], 16 if VREG else 1024]
+            sKs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
+            sVs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[Float32, n_o], 16]
             full: cute.struct.MemRange[Int64, n_st]
             empty: cute.struct.MemRange[Int64, n_st]
             tile_page: cute.struct.MemRange[Int32, n_tiles]
@@ -839,14 +856,6 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             colscale: cute.struct.MemRange[Float32, n_c]
             lsum: cute.struct.MemRange[Float32, 4 * n_c]
             mfin: cute.struct.MemRange[Float32, n_c]
-            sQ: cute.struct.Align[cute.struct.MemRange[f16 if KREG else fp8, cute.cosize(q_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
-            sVb: cute.struct.Align[cute.struct.MemRange[f16, n_vb], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
-            sKs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
-            sVs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[Float32, n_o], 16]
         built["storage"] = Storage
 
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
