@@ -18,7 +18,7 @@ __all__ = [
     "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
     "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
-    "keep_low_halves", "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc",
+    "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc",
     "ballot", "any",
 ]
 
@@ -222,13 +222,6 @@ def keep_low_bytes(word: Any, count: Any) -> Int32:
     return _i32(1, "{.reg .b32 c, s, m; .reg .pred full; max.s32 c, $2, 0; min.s32 c, c, 4;"
                    " setp.ge.s32 full, c, 4; shl.b32 s, c, 3; shl.b32 m, 1, s; sub.u32 m, m, 1;"
                    " selp.b32 m, 0xFFFFFFFF, m, full; and.b32 $0, $1, m;}", "=r,r,r", word, count)[0]
-
-
-def keep_low_halves(word: Any, count: Any) -> Int32:
-    """`word` with only its `count` low 16-bit halves kept (count clamped to 0..2)."""
-    return _i32(1, "{.reg .pred one, two; .reg .b32 m; setp.ge.s32 one, $2, 1; setp.ge.s32 two, $2, 2;"
-                   " selp.b32 m, 0xFFFF, 0, one; selp.b32 m, 0xFFFFFFFF, m, two; and.b32 $0, $1, m;}",
-                "=r,r,r", word, count)[0]
 
 
 # -- query conversion ------------------------------------------------------------------------

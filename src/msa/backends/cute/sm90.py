@@ -6,7 +6,9 @@ split). Its selected pages are walked as 64-token tiles:
 
 - **TMA ring.** Warp 0 of each warpgroup keeps `stages - 1` tiles in flight, straight from the
   cache's `[page, head, token]` strides into a shared-memory stage, completed on the stage's
-  `full` mbarrier; the consumers release a stage on its `empty` mbarrier. An fp8 tile is two
+  `full` mbarrier; the consumers release a stage on its `empty` mbarrier. The first warpgroup's
+  first copies start before the CTA's first barrier, as soon as warp 0 has the row's tile list
+  (the other warps convert the query meanwhile). An fp8 tile is two
   copies (64 keys, 64 values; 128-byte swizzle); an NVFP4 tile is four (the keys' and the
   values' E2M1 codes, 64-byte swizzle, and their E4M3 block scales: 9 KiB in all).
 - **Scores on the tensor cores** (`wgmma` M = the tile's 64 tokens, N = `nc`, the GQA group).
@@ -164,6 +166,14 @@ def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
         sP_kh[tScS[e]] = half[e]
 
 
+def _split_tiles(total: Any, split: Any, num_splits: Any, wg: int | Any, wgs: int) -> tuple[Any, Any]:
+    """(first tile, tiles) of warpgroup `wg` in split `split` of a row's `total` tiles: the split's
+    even share, dealt to its `wgs` warpgroups in turn (warpgroup `wg` walks first + wgs s)."""
+    t0 = (split * total) // num_splits
+    nloc = ((split + 1) * total) // num_splits - t0
+    return t0 + wg, (nloc - wg + (wgs - 1)) // wgs
+
+
 def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: Any, tile: Any, head: Any,
            page: Any) -> None:
     """Start the TMA copies of one tile (tile `tile` of page `page`, KV head `head`) into ring
@@ -254,32 +264,69 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         sK = st.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = st.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
 
+        # the prologue is ordered for the first TMA copy: the row's index chain (its entries, then
+        # their block-table pages: two dependent DRAM round trips) starts first, the query words
+        # and scale factors are in flight beside it, and warp 0 opens the first warpgroup's ring as
+        # soon as the chain ends, while the query terms are still being made. Each lane loads the entry
+        # of its index (every warp the same line; warp 0 uses them).
+        e_ok = _flag(lane < num_topk)
+        sel = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr + Int64(lane) * stride_tk) * 4,
+                                     e_ok))
+        b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
+        n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
+        qr = wtid // LPR  # q: row qr of the chunk, elements k0 .. k0 + EPT - 1 (every warpgroup writes the same terms)
+        k0 = (wtid % LPR) * EPT
+        q_ok = _flag(gc * NC + qr < group)
+        qbase = q + (Int64(r) * stride_qr + Int64(h * group + gc * NC + qr) * stride_qh + k0) * Q_BYTES
+        QW = EPT * Q_BYTES // 4
+        qwords = cute.make_rmem_tensor(cute.make_layout(QW), Int32)
+        for w in cutlass.range_constexpr(QW):
+            qwords[w] = ptx.ld_b32_plain(qbase + 4 * w, q_ok)
+        # the scale factors: host floats times the tensor scales (a plan-owned 1.0 for a float one)
+        qk = qk_scale * ptx.ld_f32(sm_p, Int32(1)) * ptx.ld_f32(qs_p, Int32(1)) * ptx.ld_f32(ks_p, Int32(1))
+        vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
+        # the decoded NVFP4 elements are the E2M1 values times the block scales times 2^-7 (codes
+        # at 2^-14, scales at 2^7: `ptx.nvfp4_f16_pairs`): the scores' factor takes the 128, and the
+        # values' is applied to this CTA's output (the partials are in true units)
+        v_fix = Float32(128.0) if NVFP4 else Float32(1.0)
+        qk = qk * v_fix
+        limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
+
+        # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
+        box = (TILE, CODE) if NVFP4 else (TILE, D)
+        copies = []
+        for atom, gsrc, sdst in ((tma_k, gK, sK), (tma_v, gV, sV)):
+            tiles_g = cute.flat_divide(gsrc, box)[None, None, None, 0, None, None]
+            copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                                   cute.group_modes(sdst, 0, 2),
+                                                                   cute.group_modes(tiles_g, 0, 2))))
+        if cutlass.const_expr(NVFP4):
+            sKs = st.sKs.get_tensor(sc_layout)
+            sVs = st.sVs.get_tensor(sc_layout)
+            for atom, gsrc, sdst in ((tma_ks, gKs, sKs), (tma_vs, gVs, sVs)):
+                tiles_g = cute.flat_divide(gsrc, (TILE // 16, 128))[None, None, None, 0, None, None]
+                copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                                       cute.group_modes(sdst, 0, 2),
+                                                                       cute.group_modes(tiles_g, 0, 2))))
+        sb = wg * ST  # this warpgroup's ring: stages sb .. sb + ST - 1
+
+        # warp 0: the mbarriers, then the row's tiles, compacted (lane e: entry e's 1..HALVES
+        # tiles), then the first warpgroup's first ST - 1 copies
         if warp == 0:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(WGS * ST):
                     cute.arch.mbarrier_init(full + s, 1)
                     cute.arch.mbarrier_init(empty + s, 1)
+            cute.arch.mbarrier_init_fence()
             cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
             if cutlass.const_expr(NVFP4):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_ks)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_vs)
-        cute.arch.mbarrier_init_fence()
-
-        b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
-        n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
-        limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
-
-        # the row's tiles, compacted by warp 1 (lane e: entry e, its 1..HALVES tiles)
-        if warp == 1:
-            e = lane
-            e_ok = _flag(e < num_topk)
-            j = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr
-                                               + Int64(e) * stride_tk) * 4, e_ok))
-            used = e_ok * _flag(j >= 0) * _flag(j < limit)
-            page = ptx.ld_b32_plain(table + (b * stride_bt + j) * 4, used)
+            used = e_ok * _flag(sel >= 0) * _flag(sel < limit)
+            page = ptx.ld_b32_plain(table + (b * stride_bt + sel) * 4, used)
             used = used * _flag(page >= 0) * _flag(page < num_pages)
-            tokens = Int32(ptx.min64(n - j * P, P)) * used
+            tokens = Int32(ptx.min64(n - sel * P, P)) * used
             ntiles = (tokens + (TILE - 1)) // TILE
             incl = ntiles
             for sh in cutlass.range_constexpr(5):
@@ -298,25 +345,16 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             total_tiles = ptx.shfl_idx_i32(incl, 31)
             if lane == 0:
                 count[0] = total_tiles
+            cute.arch.sync_warp()  # the lanes' tile entries, visible to the warp
+            f0, fn = _split_tiles(total_tiles, split, num_splits, 0, WGS)
+            for s in cutlass.range_constexpr(ST - 1):
+                if s < fn:
+                    _issue(copies, full + s, s, tx_bytes, tile_idx[f0 + WGS * s], h, tile_page[f0 + WGS * s])
 
-        # the scale factors: host floats times the tensor scales (a plan-owned 1.0 for a float one)
-        qk = qk_scale * ptx.ld_f32(sm_p, Int32(1)) * ptx.ld_f32(qs_p, Int32(1)) * ptx.ld_f32(ks_p, Int32(1))
-        vs = v_scale * ptx.ld_f32(vs_p, Int32(1))
-        # the decoded NVFP4 elements are the E2M1 values times the block scales times 2^-7 (codes
-        # at 2^-14, scales at 2^7: `ptx.nvfp4_f16_pairs`): the scores' factor takes the 128, and the
-        # values' is applied to this CTA's output (the partials are in true units)
-        v_fix = Float32(128.0) if NVFP4 else Float32(1.0)
-        qk = qk * v_fix
-
-        # q: row qr of the chunk, elements k0 .. k0 + EPT - 1, split into TERMS fp8 terms, or one
-        # f16 term (KREG)
-        qr = wtid // LPR  # (every warpgroup writes the same q terms)
-        k0 = (wtid % LPR) * EPT
-        q_ok = _flag(gc * NC + qr < group)
-        qbase = q + (Int64(r) * stride_qr + Int64(h * group + gc * NC + qr) * stride_qh + k0) * Q_BYTES
+        # q, split into TERMS fp8 terms, or one f16 term (KREG)
         xs = cute.make_rmem_tensor(cute.make_layout(EPT), Float32)
-        for w in cutlass.range_constexpr(EPT * Q_BYTES // 4):
-            word = ptx.ld_b32_plain(qbase + 4 * w, q_ok)
+        for w in cutlass.range_constexpr(QW):
+            word = qwords[w]
             if cutlass.const_expr(q_kind == "bf16"):
                 lo, hi = _f32_of_bf16_pair(word)
                 xs[2 * w] = lo
@@ -368,36 +406,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier()
 
-        total = count[0]
-        t0 = (split * total) // num_splits
-        nloc = ((split + 1) * total) // num_splits - t0
-        # this warpgroup's tiles: t0 + wg, t0 + wg + WGS, ...; its ring: stages sb .. sb + ST - 1
-        t0 = t0 + wg
-        nloc = (nloc - wg + (WGS - 1)) // WGS
-        sb = wg * ST
-
-        # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
-        box = (TILE, CODE) if NVFP4 else (TILE, D)
-        copies = []
-        for atom, gsrc, sdst in ((tma_k, gK, sK), (tma_v, gV, sV)):
-            tiles_g = cute.flat_divide(gsrc, box)[None, None, None, 0, None, None]
-            copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                                   cute.group_modes(sdst, 0, 2),
-                                                                   cute.group_modes(tiles_g, 0, 2))))
-        if cutlass.const_expr(NVFP4):
-            sKs = st.sKs.get_tensor(sc_layout)
-            sVs = st.sVs.get_tensor(sc_layout)
-            for atom, gsrc, sdst in ((tma_ks, gKs, sKs), (tma_vs, gVs, sVs)):
-                tiles_g = cute.flat_divide(gsrc, (TILE // 16, 128))[None, None, None, 0, None, None]
-                copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                                       cute.group_modes(sdst, 0, 2),
-                                                                       cute.group_modes(tiles_g, 0, 2))))
-
-        if wwarp == 0:
-            for s in cutlass.range_constexpr(ST - 1):
-                if s < nloc:
-                    _issue(copies, full + sb + s, sb + s, tx_bytes, tile_idx[t0 + WGS * s], h,
-                           tile_page[t0 + WGS * s])
+        # this warpgroup's tiles: t0 + WGS s, s < nloc (the first warpgroup's first copies are in
+        # flight already; another's start here)
+        t0, nloc = _split_tiles(count[0], split, num_splits, wg, WGS)
+        if cutlass.const_expr(WGS > 1):  # noqa: SIM102 - a compile-time condition, then a run-time one
+            if wwarp == 0 and wg > 0:
+                for s in cutlass.range_constexpr(ST - 1):
+                    if s < nloc:
+                        _issue(copies, full + sb + s, sb + s, tx_bytes, tile_idx[t0 + WGS * s], h,
+                               tile_page[t0 + WGS * s])
 
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
@@ -545,12 +562,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             warpgroup.commit_group()
 
             if cutlass.const_expr(VREG):
-                # token k of k-step kk: 16 kk + {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}; its word of
-                # the thread's dims (the 128-byte swizzle of an fp8 row, the 64-byte one of an
-                # NVFP4 row, moves 16-byte chunks only)
-                # NVFP4: word 4 a + m is tokens (16 kk + 8 half + 2 t4, + 1), kk = 2 a + m // 2,
-                # half = m % 2; fp8: word 4 kk + m is tokens (16 kk + 8 half + 2 t4, + 1) of chunk
-                # c, half = m % 2, c = m // 2
+                # one `ldmatrix .trans` a read (addresses: `v_base`); the words a thread gets, each
+                # two tokens' bytes of its dims: NVFP4: word 4 a + m is tokens (16 kk + 8 half +
+                # 2 t4, + 1), kk = 2 a + m // 2, half = m % 2; fp8: word 4 kk + m is tokens
+                # (16 kk + 8 half + 2 t4, + 1) of chunk c, half = m % 2, c = m // 2
                 vw = cute.make_rmem_tensor(cute.make_layout(16), Int32)
                 v_at = v_base + stage * STAGE_BYTES
                 for a in cutlass.range_constexpr(2 if NVFP4 else 4):
@@ -560,7 +575,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 if cutlass.const_expr(not NVFP4):  # noqa: SIM102 - a compile-time condition, then a run-time one
                     if vis < TILE:  # the row ends inside this tile: zero the tokens past it
                         for i in cutlass.range_constexpr(16):
-                            vw[i] = ptx.keep_low_halves(vw[i], vis - (16 * (i // 4) + 8 * (i % 2) + 2 * t4))
+                            vw[i] = ptx.keep_low_bytes(vw[i], 2 * (vis - (16 * (i // 4) + 8 * (i % 2) + 2 * t4)))
                 if cutlass.const_expr(NVFP4):
                     # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
                     # token quads; a token past the row's end gets a zero scale (so zero values)
