@@ -264,16 +264,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         sK = st.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = st.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
 
-        # the prologue is ordered for the first TMA copy: the row's index chain (its entries, then
-        # their block-table pages: two dependent DRAM round trips) starts first, the query words
-        # and scale factors are in flight beside it, and warp 0 opens the first warpgroup's ring as
-        # soon as the chain ends, while the query terms are still being made. Each lane loads the entry
-        # of its index (every warp the same line; warp 0 uses them).
-        e_ok = _flag(lane < num_topk)
-        sel = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr + Int64(lane) * stride_tk) * 4,
-                                     e_ok))
-        b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
-        n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
+        # the prologue is ordered for the first TMA copy: warp 0 starts the row's index chain (its
+        # entries, then their block-table pages: two dependent DRAM round trips) and opens the
+        # first warpgroup's ring as soon as it ends; every thread's query words and scale factors
+        # are in flight beside it, and the other warps make the query terms meanwhile
         qr = wtid // LPR  # q: row qr of the chunk, elements k0 .. k0 + EPT - 1 (every warpgroup writes the same terms)
         k0 = (wtid % LPR) * EPT
         q_ok = _flag(gc * NC + qr < group)
@@ -290,7 +284,6 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # values' is applied to this CTA's output (the partials are in true units)
         v_fix = Float32(128.0) if NVFP4 else Float32(1.0)
         qk = qk * v_fix
-        limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
 
         # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
         box = (TILE, CODE) if NVFP4 else (TILE, D)
@@ -310,9 +303,16 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                                        cute.group_modes(tiles_g, 0, 2))))
         sb = wg * ST  # this warpgroup's ring: stages sb .. sb + ST - 1
 
-        # warp 0: the mbarriers, then the row's tiles, compacted (lane e: entry e's 1..HALVES
-        # tiles), then the first warpgroup's first ST - 1 copies
+        # warp 0: the row's entries (lane e: entry e) on their way, the mbarriers, then the row's
+        # tiles, compacted (lane e: entry e's 1..HALVES tiles), then the first warpgroup's first
+        # ST - 1 copies
         if warp == 0:
+            e_ok = _flag(lane < num_topk)
+            sel = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr
+                                                 + Int64(lane) * stride_tk) * 4, e_ok))
+            b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
+            n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
+            limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(WGS * ST):
                     cute.arch.mbarrier_init(full + s, 1)
