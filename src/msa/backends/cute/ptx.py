@@ -14,7 +14,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 __all__ = [
-    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "ldsm_t", "ld_b32_plain",
+    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "lds_u16", "ldsm_t", "ld_b32_plain",
     "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
     "e4m3_v_words", "e4m3x2_scale",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
@@ -115,6 +115,11 @@ def lds(addr: Any, words: int) -> list[Int32]:
     outs = ",".join(f"${i}" for i in range(words))
     return _i32(words, f"ld.shared.v{words}.b32 {{{outs}}}, [${words}];", ",".join(["=r"] * words) + ",r", addr,
                 side=True)
+
+
+def lds_u16(addr: Any) -> Int32:
+    """The 16-bit word at shared address `addr` (2-byte aligned), zero-extended."""
+    return _i32(1, "{.reg .b16 h; ld.shared.b16 h, [$1]; cvt.u32.u16 $0, h;}", "=r,r", addr, side=True)[0]
 
 
 def ldsm_t(addr: Any) -> list[Int32]:

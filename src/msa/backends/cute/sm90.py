@@ -424,12 +424,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         if cutlass.const_expr(NVFP4):
             # the thread's shared addresses, swizzle applied: keys 16 w + g (+ 8) of a tile, its 16
             # code bytes of each (chunk t4 of the row, moved by the 64-byte swizzle: bits 4-5 ^= bits
-            # 7-8, i.e. row // 2 % 4 = g // 2 for these rows) and the word of its two block scales
+            # 7-8, i.e. row // 2 % 4 = g // 2 for these rows) and its two block scales (one 16-bit load)
             k_row = st.sK.data_ptr().toint() + (wwarp * 16 + g) * CODE + ((t4 ^ (g // 2)) * 16)
-            ks_row = st.sKs.data_ptr().toint() + (wwarp * 16 + g) * 8 + 4 * (t4 // 2)
+            ks_row = st.sKs.data_ptr().toint() + (wwarp * 16 + g) * 8 + 2 * t4
             # the values' block scales of tokens (2 t4, 2 t4 + 1) of a quad row, block 2 w + g // 4
-            vs_row = st.sVs.data_ptr().toint() + 4 * (2 * wwarp + g // 4) + 32 * (t4 // 2)
-            half_shift = 16 * (t4 % 2)  # the pair's two bytes in the loaded word
+            vs_row = st.sVs.data_ptr().toint() + 4 * (2 * wwarp + g // 4) + 32 * (t4 // 2) + 2 * (t4 % 2)
         elif cutlass.const_expr(KREG):
             # an fp8 key row: the thread's 32 bytes are chunks 2 t4 and 2 t4 + 1, moved by the
             # 128-byte swizzle (bits 4-6 ^= bits 7-9, i.e. row % 8 = g for its rows 16 w + g (+ 8))
@@ -526,7 +525,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 ks_at = ks_row + stage * SCALE_BYTES
                 for hh in cutlass.range_constexpr(2):
                     words = ptx.lds(k_at + hh * 8 * CODE, 4)
-                    sc = ptx.e4m3x2_scale(ptx.lds(ks_at + hh * 8 * 8, 1)[0] >> half_shift, 128)
+                    sc = ptx.e4m3x2_scale(ptx.lds_u16(ks_at + hh * 8 * 8), 128)
                     reps = (ptx.replicate_half(sc, False), ptx.replicate_half(sc, True))
                     for w in cutlass.range_constexpr(4):
                         regs = ptx.nvfp4_f16_pairs(words[w], reps[w // 2])
@@ -583,7 +582,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     vs_at = vs_row + stage * SCALE_BYTES
                     for kk in cutlass.range_constexpr(4):
                         for half in cutlass.range_constexpr(2):
-                            bits = ptx.lds(vs_at + (4 * kk + 2 * half) * 32, 1)[0] >> half_shift
+                            bits = ptx.lds_u16(vs_at + (4 * kk + 2 * half) * 32)
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
