@@ -285,22 +285,20 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         v_fix = Float32(128.0) if NVFP4 else Float32(1.0)
         qk = qk * v_fix
 
-        # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache
+        # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache;
+        # one entry per copy of a tile: its atom, cache view, stage buffer and box
         box = (TILE, CODE) if NVFP4 else (TILE, D)
+        tma_parts = [(tma_k, gK, sK, box), (tma_v, gV, sV, box)]
+        if cutlass.const_expr(NVFP4):
+            sc_box = (TILE // 16, 128)
+            tma_parts += [(tma_ks, gKs, st.sKs.get_tensor(sc_layout), sc_box),
+                      (tma_vs, gVs, st.sVs.get_tensor(sc_layout), sc_box)]
         copies = []
-        for atom, gsrc, sdst in ((tma_k, gK, sK), (tma_v, gV, sV)):
-            tiles_g = cute.flat_divide(gsrc, box)[None, None, None, 0, None, None]
+        for atom, gsrc, sdst, tbox in tma_parts:
+            tiles_g = cute.flat_divide(gsrc, tbox)[None, None, None, 0, None, None]
             copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                                    cute.group_modes(sdst, 0, 2),
                                                                    cute.group_modes(tiles_g, 0, 2))))
-        if cutlass.const_expr(NVFP4):
-            sKs = st.sKs.get_tensor(sc_layout)
-            sVs = st.sVs.get_tensor(sc_layout)
-            for atom, gsrc, sdst in ((tma_ks, gKs, sKs), (tma_vs, gVs, sVs)):
-                tiles_g = cute.flat_divide(gsrc, (TILE // 16, 128))[None, None, None, 0, None, None]
-                copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                                       cute.group_modes(sdst, 0, 2),
-                                                                       cute.group_modes(tiles_g, 0, 2))))
         sb = wg * ST  # this warpgroup's ring: stages sb .. sb + ST - 1
 
         # warp 0: the row's entries (lane e: entry e) on their way, the mbarriers, then the row's
