@@ -214,6 +214,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     CODE = D // 2  # NVFP4 code bytes a token
     STAGE_BYTES = TILE * (CODE if NVFP4 else D)  # one stage of the key (or value) ring
     SCALE_BYTES = TILE * D // 16  # NVFP4 block scales of a tile
+    SCALE_BOX = (TILE // 16, 128)  # ... as a TMA box: 4 rows of 128 bytes
     final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
     fp8 = cutlass.Float8E4M3FN
     f16 = cutlass.Float16
@@ -290,9 +291,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         box = (TILE, CODE) if NVFP4 else (TILE, D)
         tma_parts = [(tma_k, gK, sK, box), (tma_v, gV, sV, box)]
         if cutlass.const_expr(NVFP4):
-            sc_box = (TILE // 16, 128)
-            tma_parts += [(tma_ks, gKs, st.sKs.get_tensor(sc_layout), sc_box),
-                      (tma_vs, gVs, st.sVs.get_tensor(sc_layout), sc_box)]
+            tma_parts += [(tma_ks, gKs, st.sKs.get_tensor(sc_layout), SCALE_BOX),
+                          (tma_vs, gVs, st.sVs.get_tensor(sc_layout), SCALE_BOX)]
         copies = []
         for atom, gsrc, sdst, tbox in tma_parts:
             tiles_g = cute.flat_divide(gsrc, tbox)[None, None, None, 0, None, None]
@@ -837,8 +837,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # a stage of keys (values): fp8 rows of D bytes, or NVFP4 rows of D / 2 code bytes
         kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, CODE if NVFP4 else D), fp8,
                                                   WGS * ST)
-        # the NVFP4 block scales of a tile: 512 contiguous bytes, as 4 rows of 128
-        sc_layout = cute.make_layout((TILE // 16, 128, WGS * ST), stride=(128, 1, SCALE_BYTES))
+        # the NVFP4 block scales of a tile: 512 contiguous bytes, as the box's rows
+        sc_layout = cute.make_layout((*SCALE_BOX, WGS * ST), stride=(SCALE_BOX[1], 1, SCALE_BYTES))
         vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
         p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, WGS)
         q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), f16 if KREG else fp8, TERMS)
@@ -881,9 +881,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                 (P * CODE, (P // 16, 128, num_kv_heads, num_pages), 128))]
             one_sc = cute.slice_(sc_layout, (None, None, 0))
             tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[0], one, (TILE, CODE))
-            tma_ks, gKs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[1], one_sc, (TILE // 16, 128))
+            tma_ks, gKs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[1], one_sc, SCALE_BOX)
             tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[2], one, (TILE, CODE))
-            tma_vs, gVs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[3], one_sc, (TILE // 16, 128))
+            tma_vs, gVs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[3], one_sc, SCALE_BOX)
             tx_bytes = 2 * (cute.size_in_bytes(fp8, one) + cute.size_in_bytes(fp8, one_sc))
         else:
             k_view = cute.make_tensor(cute.make_ptr(fp8, k_base, gmem, assumed_align=16),
