@@ -119,7 +119,8 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
 @pytest.mark.parametrize(("option", "value", "expected"), [
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
-    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool")])
+    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
+    ("tconv", "no", "a bool")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -141,6 +142,15 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
         CuteBackend(kernel="wgmma", kreg=False).config_for(_problem(64), cpu)
     with pytest.raises(MSAInputError, match=r"^stages: expected at most 4 for the mma kernel on nvfp4"):
         CuteBackend(kernel="mma", stages=5).config_for(_problem(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^tconv: expected False \(or None\) for nvfp4"):
+        CuteBackend(kernel="wgmma", tconv=True).config_for(_problem(64), cpu)
+    with pytest.raises(MSAInputError, match=r"^kreg: expected True \(or None\) with tconv"):
+        CuteBackend(kernel="wgmma", tconv=True, kreg=False).config_for(_fp8(64), cpu)
+    tconv = CuteBackend(kernel="wgmma", tconv=True).config_for(_fp8(256), cpu)
+    assert tconv.tconv and tconv.kreg
+    tp8 = _fp8(16, msa.MINIMAX_M3_TP[8])  # tconv by default: kreg=False asks for the fp8 product instead
+    assert CuteBackend(kernel="wgmma").config_on(tp8, _hopper()).tconv
+    assert not CuteBackend(kernel="wgmma", kreg=False).config_on(tp8, _hopper()).tconv
     assert CuteBackend(kernel="wgmma", stages=6).config_for(_fp8(64), cpu).stages == 6
     config = CuteBackend(kernel="wgmma").config_for(_problem(64), cpu)
     assert config.vreg and config.kreg
@@ -155,8 +165,8 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
     (1, 8, WgmmaShape(4, 3, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
     (4, 64, WgmmaShape(2, 3, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
     (4, 16, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True)),
-    (8, 64, WgmmaShape(4, 3, 1, False, True), WgmmaShape(4, 3, 1, True, True)),
-    (8, 16, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True)),
+    (8, 64, WgmmaShape(4, 3, 1, False, True, True), WgmmaShape(4, 3, 1, True, True)),
+    (8, 16, WgmmaShape(8, 3, 1, False, True, True), WgmmaShape(8, 3, 1, True, True)),
     (1, 1, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True))])
 def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: WgmmaShape, nvfp4: WgmmaShape) -> None:
     """fp8 and NVFP4 (keys and values always in registers; one warpgroup below the SMs) at M3's
@@ -172,6 +182,7 @@ def test_explain_says_which_kernel_and_how() -> None:
     text = CuteBackend().strategy(_fp8(64), _hopper()) or ""
     assert "wgmma kernel" in text and "exact product" in text and "1 split" in text and "3-stage" in text
     assert "fp8 accumulation" in (CuteBackend(kreg=False).strategy(_fp8(64), _hopper()) or "")
+    assert "on the tensor cores" in (CuteBackend(tconv=True).strategy(_fp8(64), _hopper()) or "")
     assert "values in registers" in (CuteBackend().strategy(_problem(256), _hopper()) or "")
     assert "mma kernel" in (CuteBackend(kernel="mma").strategy(_problem(8), _hopper()) or "")
     assert "merged in the kernel" in (CuteBackend().strategy(_fp8(16), _hopper()) or "")
@@ -351,25 +362,29 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
        stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
        vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
-       min_ctas=st.sampled_from([None, 4]))
+       min_ctas=st.sampled_from([None, 4]), tconv=st.sampled_from([None, False, True]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
-                                                                  kreg: bool | None, min_ctas: int | None) -> None:
+                                                                  kreg: bool | None, min_ctas: int | None,
+                                                                  tconv: bool | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
-    tested on the CPU)."""
+    tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product."""
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
+        tconv = None if tconv else tconv
+    elif tconv:
+        kreg = None
     hostile = make_hostile(params, seed)
     note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
-         f"min_ctas={min_ctas}")
+         f"min_ctas={min_ctas} tconv={tconv}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
     backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
-                          min_ctas=min_ctas)
+                          min_ctas=min_ctas, tconv=tconv)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -502,13 +517,17 @@ WGMMA_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, False), ("fp8", "f1
                   ("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
                   ("nvfp4", "bf16", 16, True, False, 3, True, True), ("nvfp4", "f16", 8, False, True, 2, True, True),
                   ("nvfp4", "e4m3", 16, False, False, 4, True, True)]
+#: fp8 with the keys converted on the tensor cores (`tconv`; with `kreg`), values copied or in registers.
+TCONV_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
+                  ("fp8", "e4m3", 16, True, True, 2, False, True)]
 
 
 @needs_dsl
-@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg"), WGMMA_VARIANTS)
+@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv"),
+                         [(*v, False) for v in WGMMA_VARIANTS] + [(*v, True) for v in TCONV_VARIANTS])
 def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str, q_kind: str, nc: int, final: bool,
                                                                       fused: bool, stages: int, vreg: bool,
-                                                                      kreg: bool) -> None:
+                                                                      kreg: bool, tconv: bool) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
     the host argument list `fastcall` packs (the GPU tests run it), and its shared memory is what
     `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says."""
@@ -519,13 +538,13 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
 
     wgs = 1 if final else 2
     spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=wgs,
-                    kind=kind, kreg=kreg)
+                    kind=kind, kreg=kreg, tconv=tconv)
     host = build_sm90(spec)
     fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
     q_bytes = 2 if kreg else Q_TERMS[q_kind]
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
-                                                                  q_bytes) <= SM90_SMEM
+                                                                  q_bytes, tconv) <= SM90_SMEM
 
 
 @needs_dsl

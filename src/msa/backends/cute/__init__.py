@@ -101,8 +101,9 @@ class CuteBackend(Backend[CutePlan]):
 
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
-    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg` and `kreg` ("wgmma";
-    NVFP4 needs both: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
+    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg`, `kreg` and `tconv`
+    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`: `sm90.Sm90Spec` says
+    what each does). A value no kernel takes raises
     `MSAInputError` here; one the step's kernel cannot take (too many stages for its shared
     memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
@@ -125,7 +126,7 @@ class CuteBackend(Backend[CutePlan]):
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
-                 kreg: bool | None = None) -> None:
+                 kreg: bool | None = None, tconv: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -133,7 +134,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
-        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg)):
+        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel
         self.fused = fused
@@ -141,6 +142,7 @@ class CuteBackend(Backend[CutePlan]):
         self.wgs = wgs
         self.vreg = vreg
         self.kreg = kreg
+        self.tconv = tconv
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -210,8 +212,9 @@ class CuteBackend(Backend[CutePlan]):
             shape = choose_wgmma_shape(problem, sm_count)
             stages, wgs = self.stages or shape.stages, self.wgs or shape.wgs
             vreg = shape.vreg if self.vreg is None else self.vreg
-            kreg = shape.kreg if self.kreg is None else self.kreg
-            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg)
+            tconv = (shape.tconv and self.kreg is not False) if self.tconv is None else self.tconv
+            kreg = (shape.kreg or tconv) if self.kreg is None else self.kreg
+            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg, tconv)
             if self.num_splits is not None:
                 splits = self.num_splits
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
@@ -221,7 +224,7 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
-                              vreg=vreg, kreg=kreg)
+                              vreg=vreg, kreg=kreg, tconv=tconv)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
@@ -242,24 +245,30 @@ class CuteBackend(Backend[CutePlan]):
             splits += " merged in the kernel" if c.fused else " merged by the Triton merge kernel"
         if c.kernel == "mma":
             return f"mma kernel (mma.sync, operands decoded in registers): {splits}, {c.stages} steps in flight"
-        scores = ("keys decoded into f16 registers, f16 query (exact product)" if c.kreg
+        scores = ("keys converted to f16 on the tensor cores, f16 query (exact product)" if c.tconv
+                  else "keys decoded into f16 registers, f16 query (exact product)" if c.kreg
                   else "fp8 product of the query's fp8 terms (fp8 accumulation, ~1e-3 relative error)")
         values = "values in registers" if c.vreg else "values through an f16 copy in shared memory"
         return (f"wgmma kernel (TMA ring + WGMMA, sm_90a): {splits}, {c.stages}-stage ring, {c.wgs} warpgroup"
                 f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}")
 
     @staticmethod
-    def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool) -> None:
+    def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool,
+                           tconv: bool = False) -> None:
         """Refuse a shape the wgmma kernel cannot run for `problem` (named by the option to change)."""
         kind = WGMMA_KINDS[problem.kv_layout]
         for name, flag, what in (("vreg", vreg, "values"), ("kreg", kreg, "keys")):
             _check_option(name, flag, f"True (or None) for nvfp4: the wgmma kernel decodes its {what} into registers",
                           flag or kind != "nvfp4")
+        _check_option("tconv", tconv, "False (or None) for nvfp4: the tensor cores convert fp8 keys only",
+                      not tconv or kind != "nvfp4")
+        _check_option("kreg", kreg, "True (or None) with tconv: its keys are the f16 product's registers",
+                      kreg or not tconv)
         _check_option("stages", stages, "at least 2 for the wgmma kernel (its ring keeps a tile in flight)",
                       stages >= 2)
         q_bytes = 2 if kreg else Q_TERMS[Q_KINDS[problem.q_dtype]]
         need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
-                                wgmma_heads(problem.geometry.group_size), q_bytes)
+                                wgmma_heads(problem.geometry.group_size), q_bytes, tconv)
         _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "
                       f"warpgroups need {need} bytes; a CTA may have {SM90_SMEM})", need <= SM90_SMEM)
 

@@ -15,7 +15,7 @@ __all__ = [
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
     "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
-    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS",
+    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs",
 ]
 
@@ -73,6 +73,12 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
 #: Wider steps keep the fp8 product (`choose_wgmma_shape`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
+#: fp8 steps below one wave with CTAs of this many query heads convert their keys on the tensor
+#: cores (`tconv`). H200, M3 fp8 at 64K, same-run A/B (benchmarks/bench_cute.py, 2026-12-04): TP8
+#: B = 16 / 64 / 128 13.9 / 21.8 / 32.4 us against 14.4 / 22.0 / 32.5; past one wave (TP8 B = 256
+#: 51.5 against 47.6, TP1 B = 64-256 +0.4-3.4 us) and with two warpgroups (TP1 B = 16: 25.3
+#: against 23.4, ptxas serialises its products) it loses.
+WGMMA_TCONV_HEADS = 8
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
@@ -107,6 +113,8 @@ class CuteConfig:
         for NVFP4).
     kreg: the wgmma kernel decodes the keys into f16 registers for an f16 score product (exact;
         always for NVFP4) instead of the fp8 product of the query's fp8 terms.
+    tconv: fp8 keys converted into those f16 registers on the tensor cores (an fp8 product with
+        an identity tile) instead of by conversion instructions (with `kreg`; "wgmma").
     """
 
     num_splits: int
@@ -119,6 +127,7 @@ class CuteConfig:
     wgs: int = 1
     vreg: bool = False
     kreg: bool = False
+    tconv: bool = False
 
 
 def max_stages(kind: str) -> int:
@@ -178,13 +187,14 @@ def wgmma_tiles(problem: DecodeProblem) -> int:
 
 
 def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: int = 128, heads: int = 16,
-                     q_bytes: int = 2) -> int:
+                     q_bytes: int = 2, tconv: bool = False) -> int:
     """Shared memory of one CTA of the wgmma kernel: its struct (`sm90.py`'s `Storage`) laid out
     field by field with the same alignments — per warpgroup a ring of `stages` stages (a tile's
     64 keys and 64 values: fp8 2 x 8 KiB; NVFP4 2 x 4 KiB of codes and 2 x 512 bytes of block
     scales), f16 weights, an f16 copy of fp8 values unless `vreg`, NVFP4's output
     staging tile; per CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16
-    term), the tile tables of a row's 32 pages, the barriers and the softmax exchange."""
+    term), `tconv`'s identity tile, the tile tables of a row's 32 pages, the barriers and the
+    softmax exchange."""
     nvfp4 = kind == "nvfp4"
     n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64), heads * wgs
     fields = [  # (bytes, alignment) in the struct's order
@@ -192,7 +202,7 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
         (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
         (16, 16) if vreg else (128 * 64 * 2 * wgs, 1024),
         (n_st * 512 if nvfp4 else 16, 128), (n_st * 512 if nvfp4 else 16, 128),  # their block scales
-        (4 * (wgs * heads * 132 if nvfp4 else 4), 16),
+        (4 * (wgs * heads * 132 if nvfp4 else 4), 16), (1024, 1024) if tconv else (16, 16),
         (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), (16, 4),
         (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4)]
     end = 0
@@ -231,13 +241,14 @@ def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
 @attrs.frozen
 class WgmmaShape:
     """How the wgmma kernel walks a step: splits, ring stages, warpgroups, values in registers,
-    keys in f16 registers (the exact score product)."""
+    keys in f16 registers (the exact score product), converted there on the tensor cores."""
 
     num_splits: int
     stages: int
     wgs: int
     vreg: bool
     kreg: bool = False
+    tconv: bool = False
 
 
 def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
@@ -254,7 +265,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
     - the other steps below the SMs (TP1 B = 1, TP8, NVFP4): one warpgroup, splits up to two
       CTAs per SM, each keeping 4 tiles — fp8 TP8 B = 8 / 16 / 64 12.5 / 13.8 / 21.8 us against
       13.4 / 14.3 / 22.1 with two; NVFP4 TP1 B = 16 22.3 against 27.6, TP8 B = 16 / 64 13.2 /
-      19.2 against 14.0 / 23.9.
+      19.2 against 14.0 / 23.9; fp8 with 8-head CTAs (TP8) converts its keys on the tensor
+      cores (`WGMMA_TCONV_HEADS`).
 
     NVFP4 takes the same walk with its keys and values always in registers (H200, M3 NVFP4
     against the mma kernel: TP1 B = 64 / 256 49.4 / 151.1 us against 51.0 / 162.8). fp8 keys in
@@ -271,7 +283,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
     tiles = wgmma_tiles(problem)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
         return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False, kreg)
-    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg)
+    tconv = not nvfp4 and kreg and wgmma_heads(problem.geometry.group_size) == WGMMA_TCONV_HEADS
+    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg, tconv)
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,

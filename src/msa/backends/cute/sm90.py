@@ -102,6 +102,10 @@ class Sm90Spec:
         kreg: the keys are decoded from the tile into the score product's f16 A registers and
             the query is one f16 term (an f16 product with f32 accumulation: exact for bf16 and
             f16 queries) instead of the fp8 product of the query's fp8 terms. Always for NVFP4.
+        tconv: fp8 only: the keys are converted to f16 on the tensor cores, an fp8 product K . I
+            with an identity tile in shared memory whose f16 accumulators are the score product's
+            A registers, in place, instead of by conversion instructions (the f16 score product of
+            `kreg`: exact; the query's columns in the head's order).
     """
 
     page_size: int
@@ -118,6 +122,7 @@ class Sm90Spec:
     vreg: bool = False
     kind: str = "fp8"
     kreg: bool = False
+    tconv: bool = False
 
 
 def _flag(cond: Any) -> Any:
@@ -201,7 +206,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     HALVES = P // TILE
     NC = spec.nc
     ST = spec.stages
-    KREG = spec.kreg or NVFP4  # keys in f16 registers, one f16 query term
+    TCONV = spec.tconv
+    if TCONV and NVFP4:
+        raise ValueError("tconv converts fp8 keys on the tensor cores (not NVFP4 codes)")
+    KREG = spec.kreg or NVFP4 or TCONV  # keys in f16 registers, one f16 query term
     TERMS = 1 if KREG else Q_TERMS[spec.q_kind]
     LAG = spec.lag
     WGS = spec.wgs
@@ -224,7 +232,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     @cute.kernel
     def kernel(tma_k: cute.CopyAtom, gK: cute.Tensor, tma_v: cute.CopyAtom, gV: cute.Tensor,
                tma_ks: cute.CopyAtom, gKs: cute.Tensor, tma_vs: cute.CopyAtom, gVs: cute.Tensor,
-               qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, kv_layout: cute.ComposedLayout,
+               qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, ck_mma: cute.TiledMma, ik_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout,
                vb_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout,
                sc_layout: cute.Layout,
                q: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
@@ -382,7 +391,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             term.store(xs.load().to(f16))
             for i in cutlass.range_constexpr(EPT):
                 dq = k0 + i
-                if cutlass.const_expr(NVFP4):
+                if cutlass.const_expr(TCONV):  # the conversion product keeps the head's order
+                    col = dq
+                elif cutlass.const_expr(NVFP4):
                     # NVFP4 keys pair element e of a code word with e + 4 (`ptx.nvfp4_f16_pairs`):
                     # element e of word w = d % 32 // 8 goes to k-step 2 w + e % 4 // 2, column
                     # 2 t + 8 (e % 2) + e // 4
@@ -401,6 +412,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     sQ[qr, k0 + i, t] = term[i]
         if wtid % LPR == 0:
             colscale[qr] = qk / scale
+        if cutlass.const_expr(TCONV):
+            # the identity tile of the keys' conversion product (its B, [n, k] = (n == k), 32 x 32;
+            # the first warpgroup writes it, thread: n = wtid // 4, k = 8 (wtid % 4) + i)
+            sIk = st.sIk.get_tensor(ik_layout.outer, swizzle=ik_layout.inner)
+            if wg == 0:
+                unit = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                for i in cutlass.range_constexpr(8):
+                    unit[i] = cutlass.select_(wtid // 4 == 8 * (wtid % 4) + i, Float32(1.0), Float32(0.0))
+                unit8 = cute.make_rmem_tensor(cute.make_layout(8), fp8)
+                unit8.store(unit.load().to(fp8))
+                for i in cutlass.range_constexpr(8):
+                    sIk[wtid // 4, 8 * (wtid % 4) + i, 0] = unit8[i]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier()
 
@@ -427,6 +450,14 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             ks_row = st.sKs.data_ptr().toint() + (wwarp * 16 + g) * 8 + 2 * t4
             # the values' block scales of tokens (2 t4, 2 t4 + 1) of a quad row, block 2 w + g // 4
             vs_row = st.sVs.data_ptr().toint() + 4 * (2 * wwarp + g // 4) + 32 * (t4 // 2) + 2 * (t4 % 2)
+        elif cutlass.const_expr(TCONV):
+            # the keys' conversion: K (the stage, A) . I (B) in four 32-dim chunks, each chunk's f16
+            # accumulators (64 x 32) two k-steps of the score product's A registers, in place
+            ck_thr = ck_mma.get_slice(wtid)
+            tCkA = ck_mma.make_fragment_A(ck_thr.partition_A(sK))
+            tCkB = ck_mma.make_fragment_B(ck_thr.partition_B(sIk))
+            dK = [cute.make_tensor(tSrK.iterator + 16 * c, cute.make_layout(ck_thr.partition_shape_C((TILE, 32))))
+                  for c in range(4)]
         elif cutlass.const_expr(KREG):
             # an fp8 key row: the thread's 32 bytes are chunks 2 t4 and 2 t4 + 1, moved by the
             # 128-byte swizzle (bits 4-6 ^= bits 7-9, i.e. row % 8 = g for its rows 16 w + g (+ 8))
@@ -531,6 +562,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         tSrK32[hh + 2, 0, 2 * w] = regs[1]
                         tSrK32[hh, 0, 2 * w + 1] = regs[2]
                         tSrK32[hh + 2, 0, 2 * w + 1] = regs[3]
+            elif cutlass.const_expr(TCONV):
+                # the keys to f16 registers on the tensor cores
+                warpgroup.fence()
+                ck_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for c in cutlass.range_constexpr(4):
+                    cute.gemm(ck_mma, dK[c], tCkA[(None, None, c, stage)], tCkB[(None, None, 0, 0)], dK[c])
+                cute.gemm(pv_mma, accO, tOrV, tOrP, accO)  # the last tile's values (zeros before the first)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
             elif cutlass.const_expr(KREG):
                 # the keys: tokens 16 w + g (+ 8), each the thread's 32 bytes (two loads); word j is
                 # k-step j's (elements 4 j .. 4 j + 3 of its share)
@@ -544,7 +584,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
             # scores: S^T = K . (sum of the q terms)^T
             warpgroup.fence()
-            if cutlass.const_expr(KREG):
+            if cutlass.const_expr(KREG and not TCONV):
                 # the last tile's values (zeros before the first): issued here, after this tile's key
                 # registers are written, so that no register a wgmma reads is written while one is
                 # in flight (ptxas would serialise them all)
@@ -842,11 +882,14 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
         p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, WGS)
         q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), f16 if KREG else fp8, TERMS)
+        # the identity tile of the keys' conversion product (tconv: its B, 32 x 32)
+        ik_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, 32, 32), fp8, 1)
 
         n_st, n_tiles, n_c = WGS * ST, NTMAX, NC * WGS
         n_vb = 8 if VREG else cute.cosize(vb_layout)
         n_sc = WGS * ST * SCALE_BYTES if NVFP4 else 16
         n_o = WGS * NC * OROW if NVFP4 else 4
+        n_ik = cute.cosize(ik_layout) if TCONV else 16
 
         @cute.struct
         class Storage:  # the 1024-aligned operand buffers first, the small fields after (no padding between)
@@ -858,6 +901,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             sKs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
             sVs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
             sO: cute.struct.Align[cute.struct.MemRange[Float32, n_o], 16]
+            sIk: cute.struct.Align[cute.struct.MemRange[fp8, n_ik], 1024 if TCONV else 16]
             full: cute.struct.MemRange[Int64, n_st]
             empty: cute.struct.MemRange[Int64, n_st]
             tile_page: cute.struct.MemRange[Int32, n_tiles]
@@ -910,8 +954,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                    tiler_mn=(64, NC),
                                                    a_source=warpgroup.OperandSource.RMEM if VREG
                                                    else warpgroup.OperandSource.SMEM)
+        # the keys' conversion product (tconv): fp8 with f16 accumulators, both operands in shared memory
+        ck_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
+                                                   cute.nvgpu.OperandMajorMode.K, f16, (1, 1, 1), tiler_mn=(TILE, 32))
         grid = [num_rows * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
-        kernel(tma_k, gK, tma_v, gV, tma_ks, gKs, tma_vs, gVs, qk_mma, pv_mma, kv_layout, vb_layout, p_layout,
+        kernel(tma_k, gK, tma_v, gV, tma_ks, gKs, tma_vs, gVs, qk_mma, pv_mma, ck_mma, ik_layout, kv_layout, vb_layout,
+               p_layout,
                q_layout, sc_layout, q, topk, table, row_request, q_pos, out, lse, part_o, part_ml,
                sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
