@@ -464,7 +464,8 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pyt
                        launch.CuteWorkspace(problem, config, torch.device("cpu")), kernels)
     assert not calls[not with_lse] and len(calls[with_lse]) == 1
     args = calls[with_lse][0]
-    assert len(args) == 41 and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
+    assert len(args) == len(HOST_ARG_KINDS) and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
+    assert args[-3:-1] == (problem.num_rows, 1)  # the rows, then the rows of each request (L = 1)
     assert args[7] == out.data_ptr() and args[8] == (lse if lse is not None else out).data_ptr()
 
 
@@ -496,7 +497,7 @@ def _read(kind: str, address: int) -> int | float:
 
 @needs_dsl
 def test_msa_packs_the_host_arguments_as_the_dsl_does(compiled_host: Any) -> None:
-    """The premise of the fast launch path: the DSL's own adaptation of the kernel's 41 arguments
+    """The premise of the fast launch path: the DSL's own adaptation of the kernel's 42 arguments
     (fresh random values every run) is one pointer per argument to its value in its kind's C type,
     which is what `PackedCall` builds; and the check refuses a wrong description."""
     assert fastcall.packing_matches(compiled_host, HOST_ARG_KINDS)

@@ -46,8 +46,9 @@ CTAS_PER_SM = 3
 #: cute 16.2; B=8 (32) Triton 24.6, cute 22.3.
 AUTO_MIN_PROGRAMS = 32
 #: The compiled host function's arguments, in order (`kernel.build`'s `host`): 15 addresses, the
-#: two host scale factors, 3 sizes, 16 strides, 4 sizes (the last is the row count), the stream.
-HOST_ARG_KINDS = ("i64",) * 15 + ("f32",) * 2 + ("i32",) * 3 + ("i64",) * 16 + ("i32",) * 4 + ("stream",)
+#: two host scale factors, 3 sizes, 16 strides, 5 sizes (the row count, then the query rows of
+#: each request: L, or 0 for a ragged step), the stream.
+HOST_ARG_KINDS = ("i64",) * 15 + ("f32",) * 2 + ("i32",) * 3 + ("i64",) * 16 + ("i32",) * 5 + ("stream",)
 #: nvidia-cutlass-dsl versions whose host argument adaptation `fastcall` was verified against (on
 #: the H200: eager calls at graph-replay cost). Elsewhere a launch may take the DSL's own path
 #: (~150-300 us a call), so `auto` takes only steps that will be captured in graphs.

@@ -423,7 +423,8 @@ def build(spec: KernelSpec) -> Any:  # noqa: C901 - one kernel, written out
              stride_kt: Int64, stride_vp: Int64, stride_vh: Int64, stride_vt: Int64, stride_th: Int64,
              stride_tr: Int64, stride_tk: Int64, stride_bt: Int64, stride_or: Int64, stride_oh: Int64,
              stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
-             num_rows: Int32, stream: cuda.CUstream) -> None:
+             num_rows: Int32, row_tokens: Int32, stream: cuda.CUstream) -> None:
+        # (`row_tokens`, the query rows of each request of a uniform step, is the wgmma kernel's)
         grid = [num_rows * num_kv_heads * ((group + 15) // 16), num_splits, 1]
         kernel(q, k_base, v_base, topk, table, row_request, q_pos, out, lse, part_o, part_ml, sm_p, qs_p, ks_p,
                vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh, stride_kp,

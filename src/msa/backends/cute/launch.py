@@ -147,7 +147,7 @@ def launch_cute(
        config.num_splits, q.stride(0), q.stride(1), stride_kp, stride_kh, stride_kt, stride_vp, stride_vh,
        stride_vt, topk.stride(0), topk.stride(1), topk.stride(2), table.stride(0), out.stride(0), out.stride(1),
        lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
-       problem.num_rows, _stream(out.device))
+       problem.num_rows, 0 if problem.ragged else problem.query_len, _stream(out.device))
     if config.num_splits > 1 and not config.fused:  # (only the wgmma kernel merges its own splits)
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
             workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,

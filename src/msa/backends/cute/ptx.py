@@ -46,6 +46,13 @@ def ld_b32_plain(addr: Any, pred: Any) -> Int32:
                 "=r,l,r", addr, pred, side=True)[0]
 
 
+def prefetch_l2(addr: Any, pred: Any) -> None:
+    """Start bringing the 128-byte line of global `addr` into L2 when `pred` is not 0 (nothing
+    comes back; `addr` must lie inside a tensor the kernel was given)."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p prefetch.global.L2 [$1];}",
+         "=r,l,r", addr, pred, side=True)
+
+
 def ld_f32(addr: Any, pred: Any) -> Float32:
     """One float through the coherent path (0 when `pred` is 0)."""
     return Float32(_asm(1, T.f32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.f32 $0, 0f00000000;"

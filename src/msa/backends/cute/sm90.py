@@ -242,7 +242,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                num_pages: Int32, max_blocks: Int32, num_splits: Int32, stride_qr: Int64, stride_qh: Int64,
                stride_th: Int64, stride_tr: Int64, stride_tk: Int64, stride_bt: Int64,
                stride_or: Int64, stride_oh: Int64, stride_lr: Int64, stride_lh: Int64,
-               num_kv_heads: Int32, group: Int32, num_topk: Int32, num_rows: Int32, tx_bytes: Int32) -> None:
+               num_kv_heads: Int32, group: Int32, num_topk: Int32, num_rows: Int32, row_tokens: Int32,
+               tx_bytes: Int32) -> None:
         tid, _, _ = cute.arch.thread_idx()
         pid, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -318,6 +319,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             sel = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr
                                                  + Int64(lane) * stride_tk) * 4, e_ok))
             b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
+            # a uniform step's request is row // L: its block-table row starts toward L2 beside
+            # the entries (lane i: entries 32 i .. 32 i + 31), so that their pages are L2 hits
+            if row_tokens > 0:
+                ptx.prefetch_l2(table + (Int64(r // row_tokens) * stride_bt + Int64(lane * 32)) * 4,
+                                _flag(lane * 32 < max_blocks))
             n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
             limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
             with cute.arch.elect_one():
@@ -872,7 +878,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
              stride_kt: Int64, stride_vp: Int64, stride_vh: Int64, stride_vt: Int64, stride_th: Int64,
              stride_tr: Int64, stride_tk: Int64, stride_bt: Int64, stride_or: Int64, stride_oh: Int64,
              stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
-             num_rows: Int32, stream: cuda.CUstream) -> None:
+             num_rows: Int32, row_tokens: Int32, stream: cuda.CUstream) -> None:
         gmem = cute.AddressSpace.gmem
         # a stage of keys (values): fp8 rows of D bytes, or NVFP4 rows of D / 2 code bytes
         kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, CODE if NVFP4 else D), fp8,
@@ -963,7 +969,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                q_layout, sc_layout, q, topk, table, row_request, q_pos, out, lse, part_o, part_ml,
                sm_p, qs_p, ks_p, vs_p, qk_scale, v_scale, num_pages, max_blocks, num_splits, stride_qr, stride_qh,
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
-               num_kv_heads, group, num_topk, num_rows, Int32(tx_bytes)).launch(
+               num_kv_heads, group, num_topk, num_rows, row_tokens, Int32(tx_bytes)).launch(
             grid=grid, block=[_THREADS * WGS, 1, 1], stream=stream,
             min_blocks_per_mp=spec.min_ctas)
 
