@@ -446,14 +446,22 @@ def test_auto_picks_cute_for_captured_nvfp4_steps_and_matches_the_reference(batc
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=gpu_atol(kw))
 
 
-@pytest.mark.parametrize("with_lse", [False, True])
-def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("with_lse", "ragged"), [(False, False), (True, False), (False, True)])
+def test_run_launches_the_plans_compiled_kernel(with_lse: bool, ragged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run` launches the kernel compiled at plan time for its LSE choice, with the host's argument
-    list (checked here on the CPU with the kernels replaced by recorders: the GPU tests run them)."""
+    list (checked here on the CPU with the kernels replaced by recorders: the GPU tests run them);
+    the rows of each request are L for a uniform step and 0 for a ragged one (no request of a
+    row is inferred from it then)."""
     from msa.backends.cute import launch
 
-    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=1000, kv_cache_dtype="nvfp4", seed=1)
-    problem, inputs = check_decode_inputs(**step.kwargs(), return_lse=with_lse)
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=1000, kv_cache_dtype="nvfp4", seed=1,
+                            decode_query_len=2)
+    kw = step.kwargs()
+    if ragged:  # requests of 2, 1, 2, 1, ... rows
+        kw["query_start_loc"] = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11, 12], dtype=torch.int32)
+        kw["q"] = kw["q"][:12]
+        kw["topk_indices"] = kw["topk_indices"][:, :12]
+    problem, inputs = check_decode_inputs(**kw, return_lse=with_lse)
     calls: dict[bool, list[tuple[Any, ...]]] = {False: [], True: []}
     kernels = {flag: (lambda *args, flag=flag: calls[flag].append(args)) for flag in (False, True)}
     monkeypatch.setattr(launch, "_stream", lambda device: 0x5EED)
@@ -465,7 +473,7 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, monkeypatch: pyt
     assert not calls[not with_lse] and len(calls[with_lse]) == 1
     args = calls[with_lse][0]
     assert len(args) == len(HOST_ARG_KINDS) and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
-    assert args[-3:-1] == (problem.num_rows, 1)  # the rows, then the rows of each request (L = 1)
+    assert args[-3:-1] == (problem.num_rows, 0 if ragged else 2)  # the rows, then the rows of each request
     assert args[7] == out.data_ptr() and args[8] == (lse if lse is not None else out).data_ptr()
 
 
