@@ -472,7 +472,7 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, ragged: bool, mo
                        launch.CuteWorkspace(problem, config, torch.device("cpu")), kernels)
     assert not calls[not with_lse] and len(calls[with_lse]) == 1
     args = calls[with_lse][0]
-    assert len(args) == len(HOST_ARG_KINDS) and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
+    assert len(args) == 42 and args[0] == inputs.q.data_ptr() and args[-1] == 0x5EED
     assert args[-3:-1] == (problem.num_rows, 0 if ragged else 2)  # the rows, then the rows of each request
     assert args[7] == out.data_ptr() and args[8] == (lse if lse is not None else out).data_ptr()
 
