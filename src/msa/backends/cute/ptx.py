@@ -410,6 +410,29 @@ def bar_red_or(pred: Any, barrier: Any = 0, threads: int = 0) -> Int32:
                 + ", p; selp.b32 $0, 1, 0, q;}", "=r,r,r", pred, Int32(barrier), side=True)[0]
 
 
+def hash_claim(table: Any, key: Any, pred: Any, slots: int) -> tuple[Int32, Int32]:
+    """`key`'s slot of an open-addressing hash table at shared address `table` (`slots` 32-bit
+    keys, a power of two, -1 where empty, never full; multiplicative hash, linear probing, one
+    `atom.shared.cas` a probe): (the slot, 1 when this call stored `key` there, else 0); (0, 0)
+    and no access when `pred` is 0. `key` must not be -1."""
+    bits = slots.bit_length() - 1
+    text = ("{ .reg .pred p, q; .reg .b32 s, old, a;"
+            " mov.b32 $0, 0; mov.b32 $1, 0; setp.eq.b32 p, $4, 0; @p bra HC_DONE;"
+            f" mul.lo.u32 s, $3, 0x9E3779B1; shr.b32 s, s, {32 - bits};"
+            " HC_LOOP: shl.b32 a, s, 2; add.u32 a, a, $2; atom.shared.cas.b32 old, [a], -1, $3;"
+            " setp.eq.s32 p, old, -1; setp.eq.s32 q, old, $3; selp.b32 $1, 1, 0, p; or.pred q, p, q;"
+            f" @q bra HC_FOUND; add.u32 s, s, 1; and.b32 s, s, {slots - 1}; bra HC_LOOP;"
+            " HC_FOUND: mov.b32 $0, s; HC_DONE: }")
+    slot, claimed = _i32(2, text, "=r,=r,r,r,r", table, key, pred, side=True)
+    return slot, claimed
+
+
+def red_or_shared(addr: Any, bits: Any, pred: Any) -> None:
+    """`red.shared.or.b32` of `bits` into shared address `addr` when `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p red.shared.or.b32 [$1], $3;}",
+         "=r,r,r,r", addr, pred, bits, side=True)
+
+
 def prmt(a: Any, b: Any, selector: Any) -> Int32:
     """`prmt.b32`: bytes of (a, b) (a: 0-3, b: 4-7) picked by the selector's nibbles (a constant,
     or a register)."""

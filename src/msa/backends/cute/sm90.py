@@ -25,6 +25,9 @@ split). Its selected pages are walked as 64-token tiles:
   largest; f16 and fp8 as given), so the product is an f16 one with f32 accumulation: exact. The
   head dimensions of the key registers are a permutation (a thread's elements of a token are
   one contiguous run: 16 NVFP4 code bytes, 32 fp8 bytes), applied to the query's columns too.
+  `tconv` (fp8): the tensor cores convert instead, one fp8 product per 32 head dimensions of the
+  stage's keys with a 32 x 32 identity tile, whose f16 accumulators are the score product's A
+  registers in place (exact: one nonzero term per sum; the query's columns in the head's order).
 - **Softmax per head** (online, base 2) with the tile's exact maximum: each warp's column maxima
   meet in shared memory behind one barrier. The accumulator is rescaled only when a head's
   maximum moved. Tokens past the row's visible length score -inf and their values are zeroed
@@ -40,6 +43,14 @@ split). Its selected pages are walked as 64-token tiles:
 One split writes the normalised output (and LSE); several write the Triton backend's workspace
 partials, which its merge kernel combines, or (`fused`) the last split of a program to finish
 merges them itself.
+
+With `tokens` > 1 a program takes that many rows of one request: warp 0 merges their entries
+through a hash table in shared memory (one `atom.cas` per entry claims its block id's slot, one
+`red.or` sets its token's bit), so each selected page's tiles are copied and scored once, against
+every token's columns (N = tokens x the group). A token's column reads -inf where it did not select
+the page or the position is past its own length, and a token that did not select a tile skips its
+softmax there (its weights 0, its maxima kept). Measured against a program per row, this pays only
+where the step is bound by bytes and the tokens share most pages (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -81,7 +92,7 @@ class Sm90Spec:
         q_kind / out_kind: "bf16", "f16" or "e4m3" (q) and "bf16" / "f16" (the output).
         final: one split: the kernel writes the normalised output (else workspace partials).
         write_lse: also write the natural-log LSE (with `final`).
-        nc: query heads per CTA, the products' N (8 or 16).
+        nc: columns per CTA, the products' N: its query heads (8 or 16) times `tokens`.
         stages: tiles of the shared-memory ring.
         fused: with several splits, the last split of a program to finish merges them all and
             writes the output (and LSE) itself; the program counters are the int32 words after
@@ -106,6 +117,12 @@ class Sm90Spec:
             with an identity tile in shared memory whose f16 accumulators are the score product's
             A registers, in place, instead of by conversion instructions (the f16 score product of
             `kreg`: exact; the query's columns in the head's order).
+        tokens: query rows of one request a program takes together (1, 2 or 4; a uniform step's
+            rows, the request's query length a multiple of it): their selections' union is walked
+            once, each page's tiles scored against all `tokens` x `nc // tokens` columns (column c:
+            token c // (nc // tokens), query head c % (nc // tokens); the GQA group exactly
+            `nc // tokens`, a multiple of 8), a column's score -inf where its token did not select
+            the page or the position is past its visible length.
     """
 
     page_size: int
@@ -123,6 +140,7 @@ class Sm90Spec:
     kind: str = "fp8"
     kreg: bool = False
     tconv: bool = False
+    tokens: int = 1
 
 
 def _flag(cond: Any) -> Any:
@@ -134,6 +152,15 @@ def _tile_max(colmax: Any, index: Any) -> Any:
     four = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     cute.autovec_copy(colmax[None, index], four)
     return ptx.fmax(ptx.fmax(four[0], four[1]), ptx.fmax(four[2], four[3]))
+
+
+def _warp_column_max(sv: Any, e: int) -> Any:
+    """The warp's maximum of the column of the thread's score elements `e` and `e + 2` (its rows
+    g and g + 8; the warp's eight lanes of that column)."""
+    m = ptx.fmax(sv[e], sv[e + 2])
+    m = ptx.fmax(m, ptx.shfl_xor(m, 4))
+    m = ptx.fmax(m, ptx.shfl_xor(m, 8))
+    return ptx.fmax(m, ptx.shfl_xor(m, 16))
 
 
 def _wg_barrier(wg: Any, wgs: int) -> None:
@@ -207,6 +234,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     NC = spec.nc
     ST = spec.stages
     TCONV = spec.tconv
+    CK = D // 32  # the keys' conversion products of a tile (tconv): one per 32 head dimensions
     if TCONV and NVFP4:
         raise ValueError("tconv converts fp8 keys on the tensor cores (not NVFP4 codes)")
     KREG = spec.kreg or NVFP4 or TCONV  # keys in f16 registers, one f16 query term
@@ -214,7 +242,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     LAG = spec.lag
     WGS = spec.wgs
     VREG = spec.vreg
-    NTMAX = 32 * HALVES  # top-k <= 32 entries
+    T = spec.tokens
+    if T not in (1, 2, 4) or NC % T or (T > 1 and ((NC // T) % 8 or LAG)):
+        raise ValueError(f"tokens {T}: 1, 2 or 4, dividing {NC} heads into groups of a multiple of 8 (not with lag)")
+    GC = NC // T  # the columns of one token: its query heads
+    NTMAX = 32 * HALVES * T  # top-k <= 32 entries a token
+    HS = 64 * T  # slots of the hash table that merges the tokens' entries (at most half full)
+    N_TV, N_HS = (NTMAX, HS) if T > 1 else (1, 1)  # the union's tables (one word each without)
     EPT = NC * D // _THREADS  # q elements each thread splits
     LPR = D // EPT  # threads per q row
     Q_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}[spec.q_kind]
@@ -222,6 +256,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     CODE = D // 2  # NVFP4 code bytes a token
     STAGE_BYTES = TILE * (CODE if NVFP4 else D)  # one stage of the key (or value) ring
     SCALE_BYTES = TILE * D // 16  # NVFP4 block scales of a tile
+    OWN_SO = NVFP4 or NC * OROW * 4 > ST * STAGE_BYTES  # the output tile needs its own buffer (not the ring)
     SCALE_BOX = (TILE // 16, 128)  # ... as a TMA box: 4 rows of 128 bytes
     final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
     fp8 = cutlass.Float8E4M3FN
@@ -264,7 +299,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         empty = st.empty.data_ptr()
         tile_page = st.tile_page.get_tensor(cute.make_layout(NTMAX))
         tile_idx = st.tile_idx.get_tensor(cute.make_layout(NTMAX))  # the tile's index in its page
-        tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))
+        tile_vis = st.tile_vis.get_tensor(cute.make_layout(NTMAX))  # the tile's visible tokens (any token's)
+        tile_tvis = st.tile_tvis.get_tensor(cute.make_layout(N_TV))  # byte j: token j's
         count = st.count.get_tensor(cute.make_layout(4))
         colmax = st.colmax.get_tensor(cute.make_layout((4, 2 * NC * WGS)))  # [warp, (wg, tile % 2, head)]
         colscale = st.colscale.get_tensor(cute.make_layout(NC))
@@ -279,10 +315,14 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # entries, then their block-table pages: two dependent DRAM round trips) and opens the
         # first warpgroup's ring as soon as it ends; every thread's query words and scale factors
         # are in flight beside it, and the other warps make the query terms meanwhile
-        qr = wtid // LPR  # q: row qr of the chunk, elements k0 .. k0 + EPT - 1 (every warpgroup writes the same terms)
+        # q: column qr of the CTA (token qr // GC of the program's rows, head qr % GC of the
+        # chunk), elements k0 .. k0 + EPT - 1 (every warpgroup writes the same terms)
+        qr = wtid // LPR
         k0 = (wtid % LPR) * EPT
-        q_ok = _flag(gc * NC + qr < group)
-        qbase = q + (Int64(r) * stride_qr + Int64(h * group + gc * NC + qr) * stride_qh + k0) * Q_BYTES
+        r0 = r * T  # the program's first row
+        q_ok = _flag(gc * NC + qr % GC < group)
+        qbase = q + (Int64(r0 + qr // GC) * stride_qr + Int64(h * group + gc * NC + qr % GC) * stride_qh
+                     + k0) * Q_BYTES
         QW = EPT * Q_BYTES // 4
         qwords = cute.make_rmem_tensor(cute.make_layout(QW), Int32)
         for w in cutlass.range_constexpr(QW):
@@ -316,16 +356,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # ST - 1 copies
         if warp == 0:
             e_ok = _flag(lane < num_topk)
-            sel = Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r) * stride_tr
-                                                 + Int64(lane) * stride_tk) * 4, e_ok))
-            b = Int64(ptx.ld_b32_plain(row_request + Int64(r) * 4, Int32(1)))
+            sels = []
+            qps = []
+            for j in cutlass.range_constexpr(T):
+                sels.append(Int64(ptx.ld_b32_plain(topk + (Int64(h) * stride_th + Int64(r0 + j) * stride_tr
+                                                           + Int64(lane) * stride_tk) * 4, e_ok)))
+                qps.append(ptx.ld_b32_plain(q_pos + Int64(r0 + j) * 4, Int32(1)))
+            b = Int64(ptx.ld_b32_plain(row_request + Int64(r0) * 4, Int32(1)))
             # a uniform step's request is row // L: its block-table row starts toward L2 beside
             # the entries (lane i: entries 32 i .. 32 i + 31), so that their pages are L2 hits
             if row_tokens > 0:
-                ptx.prefetch_l2(table + (Int64(r // row_tokens) * stride_bt + Int64(lane * 32)) * 4,
+                ptx.prefetch_l2(table + (Int64(r0 // row_tokens) * stride_bt + Int64(lane * 32)) * 4,
                                 _flag(lane * 32 < max_blocks))
-            n = ptx.max64(Int64(ptx.ld_b32_plain(q_pos + Int64(r) * 4, Int32(1))) + 1, 0)
-            limit = ptx.min64((n + (P - 1)) // P, Int64(max_blocks))
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(WGS * ST):
                     cute.arch.mbarrier_init(full + s, 1)
@@ -336,25 +378,76 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if cutlass.const_expr(NVFP4):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_ks)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_vs)
-            used = e_ok * _flag(sel >= 0) * _flag(sel < limit)
-            page = ptx.ld_b32_plain(table + (b * stride_bt + sel) * 4, used)
-            used = used * _flag(page >= 0) * _flag(page < num_pages)
-            tokens = Int32(ptx.min64(n - sel * P, P)) * used
-            ntiles = (tokens + (TILE - 1)) // TILE
-            incl = ntiles
+            # lane e: entry e of each token, used where it names a visible block of a page that
+            # exists; with several tokens the union of their used entries: each entry claims its
+            # block id's slot of a hash table in shared memory (the first to claim it walks the
+            # page) and sets its token's bit there, and the page's tiles go once each, with every
+            # token's visible count in a byte of `tile_tvis` (0 for a token that did not select it)
+            if cutlass.const_expr(T > 1):
+                hkeys = st.hkeys.get_tensor(cute.make_layout(HS))
+                hmask = st.hmask.get_tensor(cute.make_layout(HS))
+                for i in cutlass.range_constexpr(HS // 32):
+                    hkeys[lane + 32 * i] = Int32(-1)
+                    hmask[lane + 32 * i] = Int32(0)
+                cute.arch.sync_warp()
+            ns = []
+            useds = []
+            slots = []
+            firsts = []
+            pages = []
+            for j in cutlass.range_constexpr(T):
+                ns.append(ptx.max64(Int64(qps[j]) + 1, 0))
+                limit = ptx.min64((ns[j] + (P - 1)) // P, Int64(max_blocks))
+                used = e_ok * _flag(sels[j] >= 0) * _flag(sels[j] < limit)
+                page = ptx.ld_b32_plain(table + (b * stride_bt + sels[j]) * 4, used)
+                useds.append(used * _flag(page >= 0) * _flag(page < num_pages))
+                pages.append(page)
+                if cutlass.const_expr(T > 1):
+                    slot, claimed = ptx.hash_claim(st.hkeys.data_ptr().toint(), Int32(sels[j]), useds[j], HS)
+                    ptx.red_or_shared(st.hmask.data_ptr().toint() + 4 * slot, Int32(1 << j), useds[j])
+                    slots.append(slot)
+                    firsts.append(claimed)
+            if cutlass.const_expr(T > 1):
+                cute.arch.sync_warp()  # every token's bits, visible to the warp
+            marks = []
+            spans = []  # the page's tokens visible to any of its tokens (0: not this lane's to walk)
+            cnts = []
+            local = Int32(0)
+            for j in cutlass.range_constexpr(T):
+                if cutlass.const_expr(T > 1):
+                    mark = hmask[slots[j]]
+                    span = Int64(0)
+                    for j2 in cutlass.range_constexpr(T):
+                        seen = ptx.min64(ptx.max64(ns[j2] - sels[j] * P, 0), P) * Int64((mark >> j2) & 1)
+                        span = ptx.max64(span, seen)
+                    marks.append(mark)
+                    spans.append(Int32(span) * firsts[j])
+                else:
+                    spans.append(Int32(ptx.min64(ns[0] - sels[0] * P, P)) * useds[0])
+                cnts.append((spans[j] + (TILE - 1)) // TILE)
+                local = local + cnts[j]
+            incl = local
             for sh in cutlass.range_constexpr(5):
                 other = ptx.shfl_up_i32(incl, 1 << sh)
                 if lane >= (1 << sh):
                     incl = incl + other
-            first = incl - ntiles
-            for t in cutlass.range_constexpr(HALVES):
-                if t < ntiles:
-                    left = tokens - t * TILE
-                    if left > TILE:
-                        left = Int32(TILE)
-                    tile_page[first + t] = page
-                    tile_idx[first + t] = Int32(t)
-                    tile_vis[first + t] = left
+            at = incl - local
+            for j in cutlass.range_constexpr(T):
+                for t in cutlass.range_constexpr(HALVES):
+                    if t < cnts[j]:
+                        left = spans[j] - t * TILE
+                        if left > TILE:
+                            left = Int32(TILE)
+                        tile_page[at + t] = pages[j]
+                        tile_idx[at + t] = Int32(t)
+                        tile_vis[at + t] = left
+                        if cutlass.const_expr(T > 1):
+                            packed = Int32(0)
+                            for j2 in cutlass.range_constexpr(T):
+                                seen = ptx.min64(ptx.max64(ns[j2] - sels[j] * P - t * TILE, 0), TILE)
+                                packed = packed | ((Int32(seen) * ((marks[j] >> j2) & 1)) << (8 * j2))
+                            tile_tvis[at + t] = packed
+                at = at + cnts[j]
             total_tiles = ptx.shfl_idx_i32(incl, 31)
             if lane == 0:
                 count[0] = total_tiles
@@ -457,13 +550,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             # the values' block scales of tokens (2 t4, 2 t4 + 1) of a quad row, block 2 w + g // 4
             vs_row = st.sVs.data_ptr().toint() + 4 * (2 * wwarp + g // 4) + 32 * (t4 // 2) + 2 * (t4 % 2)
         elif cutlass.const_expr(TCONV):
-            # the keys' conversion: K (the stage, A) . I (B) in four 32-dim chunks, each chunk's f16
+            # the keys' conversion: K (the stage, A) . I (B) in CK 32-dim chunks, each chunk's f16
             # accumulators (64 x 32) two k-steps of the score product's A registers, in place
             ck_thr = ck_mma.get_slice(wtid)
             tCkA = ck_mma.make_fragment_A(ck_thr.partition_A(sK))
             tCkB = ck_mma.make_fragment_B(ck_thr.partition_B(sIk))
             dK = [cute.make_tensor(tSrK.iterator + 16 * c, cute.make_layout(ck_thr.partition_shape_C((TILE, 32))))
-                  for c in range(4)]
+                  for c in range(CK)]
         elif cutlass.const_expr(KREG):
             # an fp8 key row: the thread's 32 bytes are chunks 2 t4 and 2 t4 + 1, moved by the
             # 128-byte swizzle (bits 4-6 ^= bits 7-9, i.e. row % 8 = g for its rows 16 w + g (+ 8))
@@ -523,6 +616,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         moff = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum through the last tile
         mnew = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
         alpha = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
+        mref = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum, 0 for -inf (tokens)
         for ci in cutlass.range_constexpr(NCOL):
             mcol[ci] = Float32(_NEG_INF)
             moff[ci] = Float32(_NEG_INF)
@@ -552,6 +646,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu])
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
             vis = tile_vis[t0 + WGS * u]
+            if cutlass.const_expr(T > 1):
+                tvis = tile_tvis[t0 + WGS * u]
 
             if cutlass.const_expr(NVFP4):
                 # the keys: tokens 16 w + g (+ 8) of the tile, each 16 code bytes (one load) and two
@@ -572,7 +668,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 # the keys to f16 registers on the tensor cores
                 warpgroup.fence()
                 ck_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for c in cutlass.range_constexpr(4):
+                for c in cutlass.range_constexpr(CK):
                     cute.gemm(ck_mma, dK[c], tCkA[(None, None, c, stage)], tCkB[(None, None, 0, 0)], dK[c])
                 cute.gemm(pv_mma, accO, tOrV, tOrP, accO)  # the last tile's values (zeros before the first)
                 warpgroup.commit_group()
@@ -664,57 +760,91 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                 vh[i] = f16(0.0)
                     cute.autovec_copy(vh, vdst[None, c, 0])
 
-            # scaled, masked scores
-            for e in cutlass.range_constexpr(NS):
-                x = accS[e] * cs[2 * (e // 4) + e % 2]
-                if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
-                    if tScS[e][0] >= vis:
-                        x = Float32(_NEG_INF)
-                sv[e] = x
-            # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
-            buf = (2 * wg + u % 2) * NC
-            for ci in cutlass.range_constexpr(NCOL):
-                e = 4 * (ci // 2) + ci % 2
-                m = ptx.fmax(sv[e], sv[e + 2])
-                m = ptx.fmax(m, ptx.shfl_xor(m, 4))
-                m = ptx.fmax(m, ptx.shfl_xor(m, 8))
-                m = ptx.fmax(m, ptx.shfl_xor(m, 16))
-                if lane < 4:
-                    colmax[wwarp, buf + tScS[e][1]] = m
-            if cutlass.const_expr(not LAG):
+            buf = (2 * wg + u % 2) * NC  # this tile's column maxima: colmax[warp, buf + column]
+            if cutlass.const_expr(T > 1):
+                # token j's columns are the thread's elements j EJ .. (j + 1) EJ - 1 (column block
+                # e // 4 of 8 columns is token 8 (e // 4) // GC's); a token that did not select
+                # this tile's page (a visible count of 0: the same in every thread) is skipped,
+                # its weights 0 and its maxima kept
+                EJ = NS // T
+                vt = []
+                for j in cutlass.range_constexpr(T):
+                    vt.append((tvis >> (8 * j)) & 255)
+                for j in cutlass.range_constexpr(T):
+                    if vt[j] > 0:
+                        for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
+                            sv[e] = ptx.masked(accS[e] * cs[2 * (e // 4) + e % 2], tScS[e][0], vt[j])
+                        for ci in cutlass.range_constexpr(j * EJ // 2, (j + 1) * EJ // 2):
+                            e = 4 * (ci // 2) + ci % 2
+                            m = _warp_column_max(sv, e)
+                            if lane < 4:
+                                colmax[wwarp, buf + tScS[e][1]] = m
                 _wg_barrier(wg, WGS)
-                for ci in cutlass.range_constexpr(NCOL):
-                    mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+                for j in cutlass.range_constexpr(T):
+                    if vt[j] > 0:
+                        for ci in cutlass.range_constexpr(j * EJ // 2, (j + 1) * EJ // 2):
+                            mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+                            mref[ci] = ptx.safe(mnew[ci])  # -inf: none of the token's tiles so far had a visible token
+                        for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
+                            pk[e] = cute.arch.exp2(sv[e] - mref[2 * (e // 4) + e % 2])
+                    else:
+                        for ci in cutlass.range_constexpr(j * EJ // 2, (j + 1) * EJ // 2):
+                            mnew[ci] = mcol[ci]
+                        for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
+                            pk[e] = Float32(0.0)
+                _store_weights(sP_kh, tScS, pk, NS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                _wg_barrier(wg, WGS)
             else:
+                # scaled, masked scores
+                for e in cutlass.range_constexpr(NS):
+                    x = accS[e] * cs[2 * (e // 4) + e % 2]
+                    if vis < TILE:  # noqa: SIM102 - DSL conditions do not short-circuit
+                        if tScS[e][0] >= vis:
+                            x = Float32(_NEG_INF)
+                    sv[e] = x
+                # this warp's maximum of each of the thread's columns -> colmax[warp, tile % 2, head]
                 for ci in cutlass.range_constexpr(NCOL):
-                    mnew[ci] = moff[ci]
-            over = Int32(0)
-            for e in cutlass.range_constexpr(NS):
-                d = sv[e] - mnew[2 * (e // 4) + e % 2]
-                if cutlass.const_expr(LAG):
-                    over = over | _flag(d > _LAG_LIMIT)
-                pk[e] = cute.arch.exp2(d)
-            _store_weights(sP_kh, tScS, pk, NS)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(LAG):
-                # the offset (the maximum through the last tile) left some weight above 2^15 (and
-                # the first tile has none): redo this tile with its exact maximum
-                if ptx.bar_red_or(over, (1 + wg) if WGS > 1 else 0, _THREADS if WGS > 1 else 0) != 0:
-                    for ci in cutlass.range_constexpr(NCOL):
-                        mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
-                    for e in cutlass.range_constexpr(NS):
-                        pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
-                    _store_weights(sP_kh, tScS, pk, NS)
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                    e = 4 * (ci // 2) + ci % 2
+                    m = _warp_column_max(sv, e)
+                    if lane < 4:
+                        colmax[wwarp, buf + tScS[e][1]] = m
+                if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
-            else:
-                _wg_barrier(wg, WGS)
+                    for ci in cutlass.range_constexpr(NCOL):
+                        mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+                else:
+                    for ci in cutlass.range_constexpr(NCOL):
+                        mnew[ci] = moff[ci]
+                over = Int32(0)
+                for e in cutlass.range_constexpr(NS):
+                    d = sv[e] - mnew[2 * (e // 4) + e % 2]
+                    if cutlass.const_expr(LAG):
+                        over = over | _flag(d > _LAG_LIMIT)
+                    pk[e] = cute.arch.exp2(d)
+                _store_weights(sP_kh, tScS, pk, NS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if cutlass.const_expr(LAG):
+                    # the offset (the maximum through the last tile) left some weight above 2^15 (and
+                    # the first tile has none): redo this tile with its exact maximum
+                    if ptx.bar_red_or(over, (1 + wg) if WGS > 1 else 0, _THREADS if WGS > 1 else 0) != 0:
+                        for ci in cutlass.range_constexpr(NCOL):
+                            mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
+                        for e in cutlass.range_constexpr(NS):
+                            pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
+                        _store_weights(sP_kh, tScS, pk, NS)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        _wg_barrier(wg, WGS)
+                else:
+                    _wg_barrier(wg, WGS)
             if wtid == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
             moved = Int32(0)
             for ci in cutlass.range_constexpr(NCOL):
                 e = 4 * (ci // 2) + ci % 2
                 alpha[ci] = cute.arch.exp2(mcol[ci] - mnew[ci])
+                if cutlass.const_expr(T > 1):  # nothing summed yet (maybe still nothing: -inf - -inf)
+                    alpha[ci] = cutlass.select_(mcol[ci] == Float32(_NEG_INF), Float32(1.0), alpha[ci])
                 lcol[ci] = lcol[ci] * alpha[ci] + pk[e] + pk[e + 2]
                 moved = moved | _flag(alpha[ci] != 1.0)
                 mcol[ci] = mnew[ci]
@@ -750,7 +880,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if wtid < 4:
                 mfin[wg * NC + tScS[e][1]] = mcol[ci]
         # each warpgroup's output tile through shared memory (its own ring is idle now): rows = heads
-        if cutlass.const_expr(NVFP4):  # a buffer of its own (a warpgroup's ring is smaller than its tile)
+        if cutlass.const_expr(OWN_SO):  # a buffer of its own (a warpgroup's ring is smaller than its tile)
             sO = st.sO.get_tensor(cute.make_layout((NC, OROW, WGS), stride=(OROW, 1, NC * OROW)))
         else:  # the warpgroup's own ring
             sO = cute.make_tensor(cute.recast_ptr(st.sK.data_ptr(), None, Float32),
@@ -792,22 +922,23 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 l_all = l_all + lw * wt
                 for k in cutlass.range_constexpr(CW):
                     ov[k] = ov[k] + sO[row, c0 + k, w] * wt
-        row_ok = _flag(gc * NC + row < group) * _flag(wg == 0)
-        qh = Int64(h * group + gc * NC + row)
+        row_ok = _flag(gc * NC + row % GC < group) * _flag(wg == 0)
+        qh = Int64(h * group + gc * NC + row % GC)
+        ro = r0 + row // GC  # the column's query row
         if cutlass.const_expr(final):
             inv = ptx.inv_or_zero(l_all, vs * v_fix)
-            base = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
+            base = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
             for k in cutlass.range_constexpr(CW // 2):
                 ptx.st_b32(base + 4 * k, ptx.pack_out(ov[2 * k] * inv, ov[2 * k + 1] * inv,
                                                       out_kind), row_ok)
             if cutlass.const_expr(write_lse):
-                ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
+                ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
                            row_ok * _flag(c0 == 0))
         else:
             if cutlass.const_expr(NVFP4):
                 for k in cutlass.range_constexpr(CW):
                     ov[k] = ov[k] * v_fix
-            prow = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
+            prow = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
             base = part_o + (prow * D + c0) * 4
             for k in cutlass.range_constexpr(CW // 4):
                 ptx.st_v4(base + 16 * k, ptx.f32_bits(ov[4 * k]), ptx.f32_bits(ov[4 * k + 1]),
@@ -828,7 +959,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 cute.arch.barrier()
                 if count[1] % num_splits == num_splits - 1:
                     ptx.fence_gpu()
-                    prow0 = (Int64(r) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
+                    prow0 = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
                     # the splits MERGE at a time, each one vector load of its (m, l) and CW // 4 of
                     # its partial row, all in flight together; the running maximum rescales what is
                     # summed so far (a split past the last, or with no visible token, weighs 0)
@@ -860,12 +991,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                 acc[k] = acc[k] + parts[k, i] * w_s
                         m_top = m_new
                     inv = ptx.inv_or_zero(l_top, vs)
-                    obase = out + (Int64(r) * stride_or + qh * stride_oh + c0) * 2
+                    obase = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
                     for k in cutlass.range_constexpr(CW // 2):
                         ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind),
                                    row_ok)
                     if cutlass.const_expr(write_lse):
-                        ptx.st_f32(lse + (Int64(r) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
+                        ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
                                    row_ok * _flag(c0 == 0))
                     if tid == 0:
                         ptx.atom_add_relaxed(counter, -num_splits)
@@ -894,8 +1025,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         n_st, n_tiles, n_c = WGS * ST, NTMAX, NC * WGS
         n_vb = 8 if VREG else cute.cosize(vb_layout)
         n_sc = WGS * ST * SCALE_BYTES if NVFP4 else 16
-        n_o = WGS * NC * OROW if NVFP4 else 4
+        n_o = WGS * NC * OROW if OWN_SO else 4
         n_ik = cute.cosize(ik_layout) if TCONV else 16
+        n_tv, n_hs = N_TV, N_HS
 
         @cute.struct
         class Storage:  # the 1024-aligned operand buffers first, the small fields after (no padding between)
@@ -913,6 +1045,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             tile_page: cute.struct.MemRange[Int32, n_tiles]
             tile_idx: cute.struct.MemRange[Int32, n_tiles]
             tile_vis: cute.struct.MemRange[Int32, n_tiles]
+            tile_tvis: cute.struct.MemRange[Int32, n_tv]
+            hkeys: cute.struct.MemRange[Int32, n_hs]
+            hmask: cute.struct.MemRange[Int32, n_hs]
             count: cute.struct.MemRange[Int32, 4]
             colmax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * n_c], 16]
             colscale: cute.struct.MemRange[Float32, n_c]
@@ -963,7 +1098,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # the keys' conversion product (tconv): fp8 with f16 accumulators, both operands in shared memory
         ck_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
                                                    cute.nvgpu.OperandMajorMode.K, f16, (1, 1, 1), tiler_mn=(TILE, 32))
-        grid = [num_rows * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
+        grid = [num_rows // T * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
         kernel(tma_k, gK, tma_v, gV, tma_ks, gKs, tma_vs, gVs, qk_mma, pv_mma, ck_mma, ik_layout, kv_layout, vb_layout,
                p_layout,
                q_layout, sc_layout, q, topk, table, row_request, q_pos, out, lse, part_o, part_ml,
