@@ -43,6 +43,7 @@ from msa.backends.cute.config import (
     wgmma_programs,
     wgmma_serves,
     wgmma_smem_bytes,
+    wgmma_tokens_serve,
 )
 from msa.errors import MSAInputError
 from msa.planning import StepTables
@@ -79,8 +80,8 @@ def test_splits_fill_the_slots_once_and_keep_warps_busy(batch: int, sms: int) ->
         assert programs(problem) * splits <= CTAS_PER_SM * sms
 
 
-def _fp8(batch: int, geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
-    return attrs.evolve(_problem(batch, geometry=geometry), kv_layout="fp8_e4m3")
+def _fp8(batch: int, geometry: Geometry = msa.MINIMAX_M3, query_len: int = 1) -> DecodeProblem:
+    return attrs.evolve(_problem(batch, query_len, geometry=geometry), kv_layout="fp8_e4m3")
 
 
 def test_the_wgmma_kernel_serves_fp8_and_nvfp4_on_sm90_with_pages_of_64_tokens() -> None:
@@ -120,7 +121,7 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
     ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("tconv", "no", "a bool")])
+    ("tconv", "no", "a bool"), ("tokens", 3, "1, 2 or 4"), ("tokens", 0, "1, 2 or 4")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -154,6 +155,29 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
     assert CuteBackend(kernel="wgmma", stages=6).config_for(_fp8(64), cpu).stages == 6
     config = CuteBackend(kernel="wgmma").config_for(_problem(64), cpu)
     assert config.vreg and config.kreg
+
+
+def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of_8_or_16() -> None:
+    """`tokens` > 1 (a program walks the union of several rows' pages): refused, naming the option
+    and why, for a ragged step, a query length it does not divide, a group other than 8 / 16 or
+    more than 32 columns, and `lag`; taken otherwise, with that many times fewer programs and the
+    columns of all its rows."""
+    cpu = torch.device("cpu")
+    tp8, tp1 = msa.MINIMAX_M3_TP[8], msa.MINIMAX_M3
+    ragged = attrs.evolve(_fp8(16, tp8), query_len=4, ragged=True, total_rows=40)
+    for problem, tokens, why in ((ragged, 2, "not a ragged one"), (_fp8(16, tp8, 3), 2, "not L = 3"),
+                                 (_fp8(16, tp1, 4), 4, "at most 32"),
+                                 (_fp8(16, Geometry(num_q_heads=20, num_kv_heads=1, head_dim=128, page_size=128,
+                                                    topk=16), 2), 2, "group of 20")):
+        with pytest.raises(MSAInputError, match=rf"^tokens: expected rows a wgmma program can take together \(.*{why}"):
+            CuteBackend(kernel="wgmma", tokens=tokens).config_for(problem, cpu)
+    with pytest.raises(MSAInputError, match=r"^lag: expected False \(or None\) with tokens > 1"):
+        CuteBackend(kernel="wgmma", tokens=2, lag=True).config_for(_fp8(16, tp8, 4), cpu)
+    config = CuteBackend(kernel="wgmma", tokens=4).config_on(_fp8(16, tp8, 4), _hopper())
+    assert config.tokens == 4 and config.tconv  # 32 columns: the keys converted on the tensor cores
+    assert wgmma_programs(_fp8(16, tp8, 4), 4) * 4 == wgmma_programs(_fp8(16, tp8, 4))
+    assert "2 rows of a request a program" in (CuteBackend(tokens=2).strategy(_fp8(16, tp1, 4), _hopper()) or "")
+    assert wgmma_tokens_serve(_fp8(16, tp1, 2), 2) is None
 
 
 @pytest.mark.parametrize(("tp", "batch", "expected", "nvfp4"), [
@@ -362,29 +386,35 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
        stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
        vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
-       min_ctas=st.sampled_from([None, 4]), tconv=st.sampled_from([None, False, True]))
+       min_ctas=st.sampled_from([None, 4]), tconv=st.sampled_from([None, False, True]),
+       tokens=st.sampled_from([None, 1, 2, 4, 4]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
                                                                   kreg: bool | None, min_ctas: int | None,
-                                                                  tconv: bool | None) -> None:
+                                                                  tconv: bool | None, tokens: int | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
-    tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product."""
+    tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product;
+    `tokens` (rows of a request a program, their pages' union walked once: the few blocks a
+    request has here make the tokens' selections overlap) where the step allows it."""
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
         tconv = None if tconv else tconv
     elif tconv:
         kreg = None
     hostile = make_hostile(params, seed)
-    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
-         f"min_ctas={min_ctas} tconv={tconv}")
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
     problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
+    if tokens is not None and wgmma_tokens_serve(problem, tokens) is not None:
+        tokens = 1
+    lag = None if tokens is not None and tokens > 1 else lag
+    note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
+         f"min_ctas={min_ctas} tconv={tconv} tokens={tokens}")
     backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
-                          min_ctas=min_ctas, tconv=tconv)
+                          min_ctas=min_ctas, tconv=tconv, tokens=tokens)
     assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
     out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
@@ -392,6 +422,32 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     if not lse_wanted:
         lse = msa.sparse_decode(**hostile.kwargs, backend="reference", return_lse=True)[1]
     assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma [{hostile} splits={splits}]",
+                          atol=gpu_atol(hostile.kwargs))
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize(("layout", "group", "tokens", "splits"),
+                         [("fp8_e4m3", 8, 4, None), ("fp8_e4m3", 8, 2, 3), ("fp8_e4m3", 16, 2, None),
+                          ("nvfp4", 8, 4, 5), ("nvfp4", 16, 2, 1)])
+def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: str, group: int, tokens: int,
+                                                                       splits: int | None) -> None:
+    """Programs of `tokens` rows of a request (their selections' union walked once, each token's
+    columns masked to its own pages and length) on hostile M3-like steps whose rows share most of
+    their pages (16 of a request's 20 blocks each) and end at different positions, NaN in every
+    unread byte: against the float64 loop, with fresh data each run."""
+    params = {"layout": layout, "batch": 3, "query_len": 4, "num_kv_heads": 2, "group": group, "head_dim": 128,
+              "page_size": 128, "topk": 16, "max_blocks": 20, "ragged": False, "token_major": False,
+              "tensor_scales": False, "table_pad": 1, "q_fp8": False}
+    hostile = make_hostile(params, random.randrange(2**31))
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=True)
+    backend = CuteBackend(kernel="wgmma", tokens=tokens, num_splits=splits)
+    assert backend.config_for(problem, torch.device("cuda")).tokens == tokens
+    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
+    backend.run_step(problem, inputs, out, lse)
+    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma tokens={tokens} [{hostile}]",
                           atol=gpu_atol(hostile.kwargs))
 
 
@@ -529,14 +585,20 @@ WGMMA_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, False), ("fp8", "f1
 #: fp8 with the keys converted on the tensor cores (`tconv`; with `kreg`), values copied or in registers.
 TCONV_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
                   ("fp8", "e4m3", 16, True, True, 2, False, True)]
+#: Programs of several rows of a request (`tokens`; `nc` their columns): (variant, tconv, tokens).
+UNION_VARIANTS = [(("fp8", "bf16", 32, False, True, 3, False, True), True, 4),
+                  (("fp8", "e4m3", 32, True, False, 2, True, False), False, 2),
+                  (("nvfp4", "f16", 32, False, True, 3, True, True), False, 4),
+                  (("nvfp4", "bf16", 16, True, False, 2, True, True), False, 2)]
 
 
 @needs_dsl
-@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv"),
-                         [(*v, False) for v in WGMMA_VARIANTS] + [(*v, True) for v in TCONV_VARIANTS])
+@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv", "tokens"),
+                         [(*v, False, 1) for v in WGMMA_VARIANTS] + [(*v, True, 1) for v in TCONV_VARIANTS]
+                         + [(*v, tconv, tokens) for v, tconv, tokens in UNION_VARIANTS])
 def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str, q_kind: str, nc: int, final: bool,
                                                                       fused: bool, stages: int, vreg: bool,
-                                                                      kreg: bool, tconv: bool) -> None:
+                                                                      kreg: bool, tconv: bool, tokens: int) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
     the host argument list `fastcall` packs (the GPU tests run it), and its shared memory is what
     `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says."""
@@ -547,13 +609,13 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
 
     wgs = 1 if final else 2
     spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=wgs,
-                    kind=kind, kreg=kreg, tconv=tconv)
+                    kind=kind, kreg=kreg, tconv=tconv, tokens=tokens)
     host = build_sm90(spec)
     fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
     q_bytes = 2 if kreg else Q_TERMS[q_kind]
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
-                                                                  q_bytes, tconv) <= SM90_SMEM
+                                                                  q_bytes, tconv, tokens) <= SM90_SMEM
 
 
 @needs_dsl

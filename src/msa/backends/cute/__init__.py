@@ -42,6 +42,7 @@ from msa.backends.cute.config import (
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
     WGMMA_DEFAULT_LAYOUTS,
+    WGMMA_DEFAULT_TOKENS,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
@@ -57,6 +58,7 @@ from msa.backends.cute.config import (
     wgmma_programs,
     wgmma_serves,
     wgmma_smem_bytes,
+    wgmma_tokens_serve,
 )
 from msa.backends.triton.config import dedup_wanted, uses_dedup
 from msa.errors import MSAInputError
@@ -101,9 +103,10 @@ class CuteBackend(Backend[CutePlan]):
 
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
-    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg`, `kreg` and `tconv`
-    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`: `sm90.Sm90Spec` says
-    what each does). A value no kernel takes raises
+    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv` and
+    `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once)
+    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`, `tokens` a uniform step
+    and a GQA group of 8 or 16: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
     `MSAInputError` here; one the step's kernel cannot take (too many stages for its shared
     memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
@@ -126,7 +129,7 @@ class CuteBackend(Backend[CutePlan]):
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
-                 kreg: bool | None = None, tconv: bool | None = None) -> None:
+                 kreg: bool | None = None, tconv: bool | None = None, tokens: int | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -134,6 +137,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
+        _check_option("tokens", tokens, "1, 2 or 4", tokens in (1, 2, 4))
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel
@@ -143,6 +147,7 @@ class CuteBackend(Backend[CutePlan]):
         self.vreg = vreg
         self.kreg = kreg
         self.tconv = tconv
+        self.tokens = tokens
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -209,12 +214,17 @@ class CuteBackend(Backend[CutePlan]):
         """`config_for` on a described platform (its SM count and compute capability)."""
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
-            shape = choose_wgmma_shape(problem, sm_count)
+            tokens = WGMMA_DEFAULT_TOKENS if self.tokens is None else self.tokens
+            why = wgmma_tokens_serve(problem, tokens)
+            _check_option("tokens", tokens, f"rows a wgmma program can take together ({why})", why is None)
+            shape = choose_wgmma_shape(problem, sm_count, tokens)
             stages, wgs = self.stages or shape.stages, self.wgs or shape.wgs
             vreg = shape.vreg if self.vreg is None else self.vreg
             tconv = (shape.tconv and self.kreg is not False) if self.tconv is None else self.tconv
             kreg = (shape.kreg or tconv) if self.kreg is None else self.kreg
-            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg, tconv)
+            lag = WGMMA_LAG if self.lag is None else self.lag
+            _check_option("lag", lag, "False (or None) with tokens > 1", not (lag and tokens > 1))
+            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg, tconv, tokens)
             if self.num_splits is not None:
                 splits = self.num_splits
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
@@ -223,8 +233,8 @@ class CuteBackend(Backend[CutePlan]):
                 splits = choose_wgmma_splits(problem, sm_count, stages, wgs, vreg)
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
-                              lag=WGMMA_LAG if self.lag is None else self.lag, min_ctas=self.min_ctas or 0, wgs=wgs,
-                              vreg=vreg, kreg=kreg, tconv=tconv)
+                              lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
+                              tokens=tokens)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
@@ -249,12 +259,14 @@ class CuteBackend(Backend[CutePlan]):
                   else "keys decoded into f16 registers, f16 query (exact product)" if c.kreg
                   else "fp8 product of the query's fp8 terms (fp8 accumulation, ~1e-3 relative error)")
         values = "values in registers" if c.vreg else "values through an f16 copy in shared memory"
+        union = (f"; {c.tokens} rows of a request a program, their selected pages' union walked once"
+                 if c.tokens > 1 else "")
         return (f"wgmma kernel (TMA ring + WGMMA, sm_90a): {splits}, {c.stages}-stage ring, {c.wgs} warpgroup"
-                f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}")
+                f"{'s' if c.wgs > 1 else ''}; scores: {scores}; {values}{union}")
 
     @staticmethod
     def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool,
-                           tconv: bool = False) -> None:
+                           tconv: bool = False, tokens: int = 1) -> None:
         """Refuse a shape the wgmma kernel cannot run for `problem` (named by the option to change)."""
         kind = WGMMA_KINDS[problem.kv_layout]
         for name, flag, what in (("vreg", vreg, "values"), ("kreg", kreg, "keys")):
@@ -268,7 +280,7 @@ class CuteBackend(Backend[CutePlan]):
                       stages >= 2)
         q_bytes = 2 if kreg else Q_TERMS[Q_KINDS[problem.q_dtype]]
         need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
-                                wgmma_heads(problem.geometry.group_size), q_bytes, tconv)
+                                wgmma_heads(problem.geometry.group_size) * tokens, q_bytes, tconv, tokens)
         _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "
                       f"warpgroups need {need} bytes; a CTA may have {SM90_SMEM})", need <= SM90_SMEM)
 

@@ -16,7 +16,8 @@ __all__ = [
     "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
-    "wgmma_auto_min_programs",
+    "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
+    "WGMMA_DEFAULT_TOKENS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -116,6 +117,8 @@ class CuteConfig:
         always for NVFP4) instead of the fp8 product of the query's fp8 terms.
     tconv: fp8 keys converted into those f16 registers on the tensor cores (an fp8 product with
         an identity tile) instead of by conversion instructions (with `kreg`; "wgmma").
+    tokens: query rows of one request each wgmma program takes together, walking the union of
+        their selected pages once (`wgmma_tokens_serve`; 1: a program per row).
     """
 
     num_splits: int
@@ -129,6 +132,7 @@ class CuteConfig:
     vreg: bool = False
     kreg: bool = False
     tconv: bool = False
+    tokens: int = 1
 
 
 def max_stages(kind: str) -> int:
@@ -174,11 +178,37 @@ def wgmma_heads(group: int) -> int:
     return 8 if group <= 8 else 16
 
 
-def wgmma_programs(problem: DecodeProblem) -> int:
-    """(row, KV head, chunk of query heads) programs of a step in the wgmma kernel."""
+def wgmma_programs(problem: DecodeProblem, tokens: int = 1) -> int:
+    """(rows, KV head, chunk of query heads) programs of a step in the wgmma kernel, `tokens` rows
+    of a request a program."""
     g = problem.geometry
     heads = wgmma_heads(g.group_size)
-    return problem.num_rows * g.num_kv_heads * -(-g.group_size // heads)
+    return problem.num_rows // tokens * g.num_kv_heads * -(-g.group_size // heads)
+
+
+#: The query rows of a request one wgmma program may take together (`wgmma_tokens_serve`).
+WGMMA_TOKENS = (1, 2, 4)
+#: The most columns (rows x query heads) of such a program: its products' N.
+WGMMA_TOKEN_COLUMNS = 32
+
+
+def wgmma_tokens_serve(problem: DecodeProblem, tokens: int) -> str | None:
+    """Why the wgmma kernel cannot take `tokens` rows of a request a program for `problem` (their
+    pages' union walked once), or None: a uniform step whose query length `tokens` divides, a
+    GQA group of 8 or 16 (a token's columns, `wgmma_heads`) and at most `WGMMA_TOKEN_COLUMNS`
+    columns."""
+    if tokens == 1:
+        return None
+    group = problem.geometry.group_size
+    if tokens not in WGMMA_TOKENS:
+        return f"{tokens} is not one of {WGMMA_TOKENS}"
+    if problem.ragged or problem.query_len % tokens:
+        return (f"a program takes {tokens} rows of one request: a uniform step whose query length is a multiple "
+                f"of it, not {'a ragged one' if problem.ragged else f'L = {problem.query_len}'}")
+    if group not in (8, 16) or tokens * group > WGMMA_TOKEN_COLUMNS:
+        return (f"{tokens} tokens x a GQA group of {group}: the group must be 8 or 16 and the columns at most "
+                f"{WGMMA_TOKEN_COLUMNS}")
+    return None
 
 
 def wgmma_tiles(problem: DecodeProblem) -> int:
@@ -188,23 +218,27 @@ def wgmma_tiles(problem: DecodeProblem) -> int:
 
 
 def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: int = 128, heads: int = 16,
-                     q_bytes: int = 2, tconv: bool = False) -> int:
+                     q_bytes: int = 2, tconv: bool = False, tokens: int = 1) -> int:
     """Shared memory of one CTA of the wgmma kernel: its struct (`sm90.py`'s `Storage`) laid out
     field by field with the same alignments — per warpgroup a ring of `stages` stages (a tile's
     64 keys and 64 values: fp8 2 x 8 KiB; NVFP4 2 x 4 KiB of codes and 2 x 512 bytes of block
-    scales), f16 weights, an f16 copy of fp8 values unless `vreg`, NVFP4's output
-    staging tile; per CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16
-    term), `tconv`'s identity tile, the tile tables of a row's 32 pages, the barriers and the
-    softmax exchange."""
+    scales), f16 weights, an f16 copy of fp8 values unless `vreg`, the output
+    staging tile where the ring cannot hold it (NVFP4; fp8 at 32 columns and 2 stages); per
+    CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16 term), `tconv`'s
+    identity tile, the tile tables of a row's 32 pages, the barriers and the
+    softmax exchange; with `tokens` > 1 (`heads` the columns of all of them) the tile tables of
+    their pages' union, each tile's tokens' visible counts and the hash table that merges them."""
     nvfp4 = kind == "nvfp4"
-    n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64), heads * wgs
+    n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64) * tokens, heads * wgs
+    union = [(4 * n_tiles, 4), (4 * 64 * tokens, 4), (4 * 64 * tokens, 4)] if tokens > 1 else [(4, 4)] * 3
     fields = [  # (bytes, alignment) in the struct's order
         (n_st * 64 * (64 if nvfp4 else 128), 1024), (n_st * 64 * (64 if nvfp4 else 128), 1024),  # keys, values
         (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
         (16, 16) if vreg else (128 * 64 * 2 * wgs, 1024),
         (n_st * 512 if nvfp4 else 16, 128), (n_st * 512 if nvfp4 else 16, 128),  # their block scales
-        (4 * (wgs * heads * 132 if nvfp4 else 4), 16), (1024, 1024) if tconv else (16, 16),
-        (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), (16, 4),
+        (4 * (wgs * heads * 132 if nvfp4 or heads * 132 * 4 > stages * 64 * 128 else 4), 16),
+        (1024, 1024) if tconv else (16, 16),
+        (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), *union, (16, 4),
         (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4)]
     end = 0
     for size, align in fields:
@@ -250,9 +284,39 @@ class WgmmaShape:
     vreg: bool
     kreg: bool = False
     tconv: bool = False
+    tokens: int = 1
 
 
-def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
+#: Rows of a request a wgmma program takes unless asked (`CuteBackend(tokens=...)`): one. H200,
+#: M3 fp8 at 64K, L = 4, same-run A/B (benchmarks/bench_cute.py, 2026-12-04, session 18): four
+#: rows a program is 4-7% faster only where the step is bound by bytes and the tokens share most
+#: pages (TP8 B = 256 at 80% overlap: 100.4-106.4 us against 107.3-108.1); with fewer programs
+#: than that it loses (TP8 B = 16 / 64 at 80%: 42.7 / 43.8 against 18.4 / 37.0; two rows at TP1
+#: B = 64: 133.6 against 105.6), and without overlap it loses everywhere (TP8 B = 64 / 256: 63.5
+#: / 169.3 against 44.9 / 131.9). The policy sees shapes, not the indices' overlap.
+WGMMA_DEFAULT_TOKENS = 1
+
+
+def _union_shape(problem: DecodeProblem, sm_count: int, tokens: int) -> WgmmaShape:
+    """The walk of `tokens` rows a program: one warpgroup, values in registers for NVFP4, keys in
+    f16 registers (fp8: converted on the tensor cores at 4 tokens of 8 heads), splits as for one
+    row, the union counted at half its pages shared."""
+    programs = max(wgmma_programs(problem, tokens), 1)
+    nvfp4 = problem.kv_layout == "nvfp4"
+    kreg = nvfp4 or WGMMA_FP8_KREG
+    heads = wgmma_heads(problem.geometry.group_size)
+    # (ptxas serialises the products of the other shapes of `tconv` with several tokens)
+    tconv = not nvfp4 and kreg and heads == WGMMA_TCONV_HEADS and tokens * heads == WGMMA_TOKEN_COLUMNS
+    if programs > 3 * sm_count:
+        return WgmmaShape(1, 2, 1, nvfp4, kreg, tconv, tokens)
+    if programs >= sm_count:
+        return WgmmaShape(1, 3, 1, nvfp4, kreg, tconv, tokens)
+    tiles = wgmma_tiles(problem) * (1 + tokens) // 2
+    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg, tconv,
+                      tokens)
+
+
+def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -> WgmmaShape:
     """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP4 / TP8 at 64K):
 
     - more programs than 3 CTAs per SM hold (TP1 B = 256: 1024): 2 stages, values in registers,
@@ -273,7 +337,11 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int) -> WgmmaShape:
     against the mma kernel: TP1 B = 64 / 256 49.4 / 151.1 us against 51.0 / 162.8). fp8 keys in
     registers: `WGMMA_FP8_KREG`, except past 3 CTAs per SM, where the keys' registers (168 with
     the values', against 124) leave 3 CTAs per SM instead of 4 and a second partial wave: TP1
-    B = 128 / 256 95.0 / 147.3 us with them against 80.9 / 145.0 without (Triton 92.8 / 172.3)."""
+    B = 128 / 256 95.0 / 147.3 us with them against 80.9 / 145.0 without (Triton 92.8 / 172.3).
+
+    With `tokens` > 1 rows of a request a program: `_union_shape`."""
+    if tokens > 1:
+        return _union_shape(problem, sm_count, tokens)
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = nvfp4 or WGMMA_FP8_KREG
