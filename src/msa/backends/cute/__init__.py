@@ -230,7 +230,7 @@ class CuteBackend(Backend[CutePlan]):
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
                 splits = shape.num_splits
             else:  # a shape of the caller's: splits that fill its CTA slots once
-                splits = choose_wgmma_splits(problem, sm_count, stages, wgs, vreg)
+                splits = choose_wgmma_splits(problem, sm_count, stages, wgs, vreg, tokens)
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,

@@ -357,8 +357,9 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,
-                        vreg: bool = False) -> int:
-    """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles."""
+                        vreg: bool = False, tokens: int = 1) -> int:
+    """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles
+    (of one row's selection: a program of several rows has at least as many)."""
     most = max(1, wgmma_tiles(problem) // (_WGMMA_MIN_TILES * wgs))
     slots = wgmma_ctas_per_sm(stages, wgs, vreg, WGMMA_KINDS.get(problem.kv_layout, "fp8")) * sm_count
-    return max(1, min(most, slots // max(wgmma_programs(problem), 1)))
+    return max(1, min(most, slots // max(wgmma_programs(problem, tokens), 1)))
