@@ -32,6 +32,7 @@ from msa.backends.cute.config import (
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
     WIDE_MIN_CTAS,
+    CuteConfig,
     WgmmaShape,
     choose_min_ctas,
     choose_splits,
@@ -121,7 +122,7 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
     ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("tconv", "no", "a bool"), ("tokens", 3, "1, 2 or 4"), ("tokens", 0, "1, 2 or 4")])
+    ("tconv", "no", "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -377,6 +378,22 @@ needs_wgmma = pytest.mark.skipif(not (HAVE_DSL and ON_SM90),
                                  reason="needs nvidia-cutlass-dsl and a GPU of compute capability 9.x (sm_90a)")
 
 
+def _run_wgmma_against_the_loop(hostile: Any, backend: CuteBackend, lse_wanted: bool, where: str) -> CuteConfig:
+    """`backend`'s wgmma kernel on `hostile`'s step (NaN-filled outputs) against the float64 loop;
+    the configuration it ran."""
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
+    config = backend.config_for(problem, torch.device("cuda"))
+    assert config.kernel == "wgmma"
+    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
+    backend.run_step(problem, inputs, out, lse if lse_wanted else None)
+    if not lse_wanted:
+        lse = msa.sparse_decode(**hostile.kwargs, backend="reference", return_lse=True)[1]
+    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=where, atol=gpu_atol(hostile.kwargs))
+    return config
+
+
 @pytest.mark.gpu
 @needs_wgmma
 @GPU_FUZZ
@@ -406,8 +423,7 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     elif tconv:
         kreg = None
     hostile = make_hostile(params, seed)
-    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
-    problem, inputs = check_decode_inputs(**kw, return_lse=lse_wanted)
+    problem, _ = check_decode_inputs(**hostile.kwargs, return_lse=lse_wanted)
     if tokens is not None and wgmma_tokens_serve(problem, tokens) is not None:
         tokens = 1
     lag = None if tokens is not None and tokens > 1 else lag
@@ -415,14 +431,7 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
          f"min_ctas={min_ctas} tconv={tconv} tokens={tokens}")
     backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
                           min_ctas=min_ctas, tconv=tconv, tokens=tokens)
-    assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
-    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
-    lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
-    backend.run_step(problem, inputs, out, lse if lse_wanted else None)
-    if not lse_wanted:
-        lse = msa.sparse_decode(**hostile.kwargs, backend="reference", return_lse=True)[1]
-    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma [{hostile} splits={splits}]",
-                          atol=gpu_atol(hostile.kwargs))
+    _run_wgmma_against_the_loop(hostile, backend, lse_wanted, f"cute wgmma [{hostile} splits={splits}]")
 
 
 @pytest.mark.gpu
@@ -440,15 +449,9 @@ def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: s
               "page_size": 128, "topk": 16, "max_blocks": 20, "ragged": False, "token_major": False,
               "tensor_scales": False, "table_pad": 1, "q_fp8": False}
     hostile = make_hostile(params, random.randrange(2**31))
-    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
-    problem, inputs = check_decode_inputs(**kw, return_lse=True)
     backend = CuteBackend(kernel="wgmma", tokens=tokens, num_splits=splits)
-    assert backend.config_for(problem, torch.device("cuda")).tokens == tokens
-    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device="cuda")
-    lse = torch.full(kw["q"].shape[:2], float("nan"), device="cuda")
-    backend.run_step(problem, inputs, out, lse)
-    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=f"cute wgmma tokens={tokens} [{hostile}]",
-                          atol=gpu_atol(hostile.kwargs))
+    config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma tokens={tokens} [{hostile}]")
+    assert config.tokens == tokens
 
 
 @pytest.mark.gpu

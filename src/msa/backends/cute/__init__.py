@@ -46,6 +46,7 @@ from msa.backends.cute.config import (
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
+    WGMMA_TOKENS,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
@@ -137,7 +138,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
-        _check_option("tokens", tokens, "1, 2 or 4", tokens in (1, 2, 4))
+        _check_option("tokens", tokens, f"one of {WGMMA_TOKENS}", tokens in WGMMA_TOKENS)
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel

@@ -17,7 +17,7 @@ __all__ = [
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
-    "WGMMA_DEFAULT_TOKENS",
+    "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -190,6 +190,9 @@ def wgmma_programs(problem: DecodeProblem, tokens: int = 1) -> int:
 WGMMA_TOKENS = (1, 2, 4)
 #: The most columns (rows x query heads) of such a program: its products' N.
 WGMMA_TOKEN_COLUMNS = 32
+#: Slots per row of the shared-memory hash table that merges such a program's entries (a row
+#: has at most 32, so the table is at most half full).
+WGMMA_HASH_SLOTS = 64
 
 
 def wgmma_tokens_serve(problem: DecodeProblem, tokens: int) -> str | None:
@@ -230,7 +233,8 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
     their pages' union, each tile's tokens' visible counts and the hash table that merges them."""
     nvfp4 = kind == "nvfp4"
     n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64) * tokens, heads * wgs
-    union = [(4 * n_tiles, 4), (4 * 64 * tokens, 4), (4 * 64 * tokens, 4)] if tokens > 1 else [(4, 4)] * 3
+    slots = WGMMA_HASH_SLOTS * tokens
+    union = [(4 * n_tiles, 4), (4 * slots, 4), (4 * slots, 4)] if tokens > 1 else [(4, 4)] * 3
     fields = [  # (bytes, alignment) in the struct's order
         (n_st * 64 * (64 if nvfp4 else 128), 1024), (n_st * 64 * (64 if nvfp4 else 128), 1024),  # keys, values
         (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
@@ -297,23 +301,28 @@ class WgmmaShape:
 WGMMA_DEFAULT_TOKENS = 1
 
 
+def _wave_walk(programs: int, sm_count: int, tiles: int) -> tuple[int, int]:
+    """(splits, stages) of a one-warpgroup walk of `programs` programs of `tiles` tiles each, by
+    how many waves they fill: past 3 CTAs per SM one split of 2 stages, from one CTA per SM one
+    split of 3, below that splits up to two CTAs per SM (each keeping `_WGMMA_MIN_TILES`) of 3."""
+    if programs > 3 * sm_count:
+        return 1, 2
+    if programs >= sm_count:
+        return 1, 3
+    return max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3
+
+
 def _union_shape(problem: DecodeProblem, sm_count: int, tokens: int) -> WgmmaShape:
-    """The walk of `tokens` rows a program: one warpgroup, values in registers for NVFP4, keys in
-    f16 registers (fp8: converted on the tensor cores at 4 tokens of 8 heads), splits as for one
-    row, the union counted at half its pages shared."""
-    programs = max(wgmma_programs(problem, tokens), 1)
+    """The walk of `tokens` rows a program: one warpgroup (`_wave_walk`, the union counted at half
+    its pages shared), values in registers for NVFP4, keys in f16 registers (fp8: converted on the
+    tensor cores at 4 tokens of 8 heads; ptxas serialises the products of its other shapes)."""
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = nvfp4 or WGMMA_FP8_KREG
     heads = wgmma_heads(problem.geometry.group_size)
-    # (ptxas serialises the products of the other shapes of `tconv` with several tokens)
     tconv = not nvfp4 and kreg and heads == WGMMA_TCONV_HEADS and tokens * heads == WGMMA_TOKEN_COLUMNS
-    if programs > 3 * sm_count:
-        return WgmmaShape(1, 2, 1, nvfp4, kreg, tconv, tokens)
-    if programs >= sm_count:
-        return WgmmaShape(1, 3, 1, nvfp4, kreg, tconv, tokens)
-    tiles = wgmma_tiles(problem) * (1 + tokens) // 2
-    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg, tconv,
-                      tokens)
+    splits, stages = _wave_walk(max(wgmma_programs(problem, tokens), 1), sm_count,
+                                wgmma_tiles(problem) * (1 + tokens) // 2)
+    return WgmmaShape(splits, stages, 1, nvfp4, kreg, tconv, tokens)
 
 
 def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -> WgmmaShape:
@@ -345,15 +354,16 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = nvfp4 or WGMMA_FP8_KREG
-    if programs > 3 * sm_count:
-        return WgmmaShape(1, 2, 1, True, nvfp4)
-    if programs >= sm_count:
-        return WgmmaShape(1, 3, 1, nvfp4, kreg)
     tiles = wgmma_tiles(problem)
+    splits, stages = _wave_walk(programs, sm_count, tiles)
+    if programs > 3 * sm_count:
+        return WgmmaShape(splits, stages, 1, True, nvfp4)
+    if programs >= sm_count:
+        return WgmmaShape(splits, stages, 1, nvfp4, kreg)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
         return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False, kreg)
     tconv = not nvfp4 and kreg and wgmma_heads(problem.geometry.group_size) == WGMMA_TCONV_HEADS
-    return WgmmaShape(max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3, 1, nvfp4, kreg, tconv)
+    return WgmmaShape(splits, stages, 1, nvfp4, kreg, tconv)
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,

@@ -68,7 +68,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import Q_TERMS
+from msa.backends.cute.config import Q_TERMS, WGMMA_HASH_SLOTS, WGMMA_TOKENS
 
 __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS"]
 
@@ -243,11 +243,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     WGS = spec.wgs
     VREG = spec.vreg
     T = spec.tokens
-    if T not in (1, 2, 4) or NC % T or (T > 1 and ((NC // T) % 8 or LAG)):
-        raise ValueError(f"tokens {T}: 1, 2 or 4, dividing {NC} heads into groups of a multiple of 8 (not with lag)")
+    if T not in WGMMA_TOKENS or NC % T or (T > 1 and ((NC // T) % 8 or LAG)):
+        raise ValueError(f"tokens {T}: one of {WGMMA_TOKENS}, dividing {NC} heads into groups of a multiple of 8 "
+                         "(not with lag)")
     GC = NC // T  # the columns of one token: its query heads
     NTMAX = 32 * HALVES * T  # top-k <= 32 entries a token
-    HS = 64 * T  # slots of the hash table that merges the tokens' entries (at most half full)
+    HS = WGMMA_HASH_SLOTS * T  # slots of the hash table that merges the tokens' entries
     N_TV, N_HS = (NTMAX, HS) if T > 1 else (1, 1)  # the union's tables (one word each without)
     EPT = NC * D // _THREADS  # q elements each thread splits
     LPR = D // EPT  # threads per q row
@@ -616,7 +617,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         moff = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum through the last tile
         mnew = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
         alpha = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
-        mref = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum, 0 for -inf (tokens)
+        if cutlass.const_expr(T > 1):
+            mref = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # the maximum, 0 for -inf
         for ci in cutlass.range_constexpr(NCOL):
             mcol[ci] = Float32(_NEG_INF)
             moff[ci] = Float32(_NEG_INF)
