@@ -15,33 +15,16 @@ import argparse
 import json
 
 import torch
-from tune_kernels import prepare_case
+from m3_step import add_step_arguments, make_m3_step
 
-import msa
 from msa.backends.cute import CuteBackend
-from msa.planning import StepTables
-from msa.validation import check_decode_inputs
-from msa.workload import make_decode_step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--layout", default="fp8_e4m3")
-    parser.add_argument("--variant", default="{}", help="JSON CuteBackend options")
-    parser.add_argument("--query-len", type=int, default=1)
-    parser.add_argument("--overlap", type=float, default=None,
-                        help="share of each token's pages that are its predecessor's (query length > 1)")
+    add_step_arguments(parser, tp=1, batch=64)
     args = parser.parse_args()
-    step = make_decode_step(msa.MINIMAX_M3_TP[args.tp], batch_size=args.batch, context_len=65536,
-                            decode_query_len=args.query_len, kv_cache_dtype=args.layout, device="cuda", seed=0)
-    if args.query_len > 1:  # the multi-token selections of the benchmarks (`tune_kernels.prepare_case`)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        _, _, problem, inputs, tables, _ = prepare_case(step, args.batch, gen, args.query_len, args.overlap)
-    else:
-        problem, inputs = check_decode_inputs(**step.kwargs())
-        tables = StepTables.for_inputs(problem, inputs)
+    _, problem, inputs, tables = make_m3_step(args)
     backend = CuteBackend(**json.loads(args.variant))
     plan = backend.plan(problem, tables)
     out = torch.empty(inputs.q.shape, dtype=problem.out_dtype, device="cuda")

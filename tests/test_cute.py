@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_fuzz import step_params
 
 import msa
-from msa.backends.cute import CuteBackend, fastcall
+from msa.backends.cute import CuteBackend, fastcall, launch
 from msa.backends.cute.config import (
     AUTO_MIN_PROGRAMS,
     CTAS_PER_SM,
@@ -39,6 +39,7 @@ from msa.backends.cute.config import (
     choose_wgmma_shape,
     choose_wgmma_splits,
     programs,
+    wgmma_cluster,
     wgmma_ctas_per_sm,
     wgmma_heads,
     wgmma_programs,
@@ -122,7 +123,7 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
     ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("tconv", "no", "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)")])
+    ("tconv", "no", "a bool"), ("cluster", 1, "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -150,9 +151,11 @@ def test_wgmma_shapes_the_step_cannot_run_are_refused_when_planned() -> None:
         CuteBackend(kernel="wgmma", tconv=True, kreg=False).config_for(_fp8(64), cpu)
     tconv = CuteBackend(kernel="wgmma", tconv=True).config_for(_fp8(256), cpu)
     assert tconv.tconv and tconv.kreg
-    tp8 = _fp8(16, msa.MINIMAX_M3_TP[8])  # tconv by default: kreg=False asks for the fp8 product instead
-    assert CuteBackend(kernel="wgmma").config_on(tp8, _hopper()).tconv
-    assert not CuteBackend(kernel="wgmma", kreg=False).config_on(tp8, _hopper()).tconv
+    tp8 = _fp8(16, msa.MINIMAX_M3_TP[8])  # values in registers by default, keys too (kreg=False: the fp8 product)
+    default = CuteBackend(kernel="wgmma").config_on(tp8, _hopper())
+    assert default.vreg and default.kreg and not default.tconv
+    fp8_product = CuteBackend(kernel="wgmma", kreg=False).config_on(tp8, _hopper())
+    assert fp8_product.vreg and not fp8_product.kreg and not fp8_product.tconv
     assert CuteBackend(kernel="wgmma", stages=6).config_for(_fp8(64), cpu).stages == 6
     config = CuteBackend(kernel="wgmma").config_for(_problem(64), cpu)
     assert config.vreg and config.kreg
@@ -190,8 +193,8 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
     (1, 8, WgmmaShape(4, 3, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
     (4, 64, WgmmaShape(2, 3, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
     (4, 16, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True)),
-    (8, 64, WgmmaShape(4, 3, 1, False, True, True), WgmmaShape(4, 3, 1, True, True)),
-    (8, 16, WgmmaShape(8, 3, 1, False, True, True), WgmmaShape(8, 3, 1, True, True)),
+    (8, 64, WgmmaShape(4, 3, 1, True, True), WgmmaShape(4, 3, 1, True, True)),
+    (8, 16, WgmmaShape(8, 3, 1, True, True), WgmmaShape(8, 3, 1, True, True)),
     (1, 1, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True))])
 def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: WgmmaShape, nvfp4: WgmmaShape) -> None:
     """fp8 and NVFP4 (keys and values always in registers; one warpgroup below the SMs) at M3's
@@ -200,6 +203,32 @@ def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: Wgmm
     config = CuteBackend(kernel="wgmma").config_for(_fp8(batch, msa.MINIMAX_M3_TP[tp]), torch.device("cpu"))
     assert config.kernel == "wgmma"
     assert choose_wgmma_shape(_problem(batch, geometry=msa.MINIMAX_M3_TP[tp]), 132) == nvfp4
+
+
+def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
+    """fp8 steps of 16-head CTAs merge their 2-8 fused splits as one cluster through distributed
+    shared memory by default (no partials in global memory); 8-head and NVFP4 steps, programs of
+    several rows, one split and more splits than a cluster holds merge from global memory;
+    `cluster` asks for either."""
+    cpu = torch.device("cpu")
+    tp1, tp4, tp8 = msa.MINIMAX_M3, msa.MINIMAX_M3_TP[4], msa.MINIMAX_M3_TP[8]
+    for problem, splits in ((_fp8(16, tp1), 2), (_fp8(16, tp4), 8), (_fp8(64, tp4), 2)):
+        config = CuteBackend(kernel="wgmma").config_on(problem, _hopper())
+        assert config.cluster and config.num_splits == splits and wgmma_cluster(config) == splits
+        assert f"a cluster of {splits} CTAs" in (CuteBackend().strategy(problem, _hopper()) or "")
+        assert launch.CuteWorkspace(problem, config, cpu).partial_out.shape[0] == 1  # no partials in global memory
+        off = CuteBackend(kernel="wgmma", cluster=False).config_on(problem, _hopper())
+        assert not wgmma_cluster(off) and launch.CuteWorkspace(problem, off, cpu).partial_out.shape[0] > 1
+    for problem in (_fp8(16, tp8), _problem(16, geometry=tp4), _problem(16)):
+        assert not CuteBackend(kernel="wgmma").config_on(problem, _hopper()).cluster
+    assert not CuteBackend(kernel="wgmma", tokens=2).config_on(_fp8(16, tp1, 2), _hopper()).cluster
+    asked = CuteBackend(kernel="wgmma", cluster=True).config_on(_problem(16, geometry=tp8), _hopper())
+    assert wgmma_cluster(asked) == asked.num_splits == 8
+    for splits in (1, 9):
+        config = CuteBackend(kernel="wgmma", cluster=True, num_splits=splits).config_on(_fp8(16, tp4), _hopper())
+        assert config.cluster and wgmma_cluster(config) == 0
+    unfused = CuteBackend(kernel="wgmma", cluster=True, fused=False).config_on(_fp8(16, tp4), _hopper())
+    assert wgmma_cluster(unfused) == 0
 
 
 def test_explain_says_which_kernel_and_how() -> None:
@@ -404,19 +433,21 @@ def _run_wgmma_against_the_loop(hostile: Any, backend: CuteBackend, lse_wanted: 
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
        vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
        min_ctas=st.sampled_from([None, 4]), tconv=st.sampled_from([None, False, True]),
-       tokens=st.sampled_from([None, 1, 2, 4, 4]))
+       tokens=st.sampled_from([None, 1, 2, 4, 4]), cluster=st.sampled_from([None, False, True]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
                                                                   kreg: bool | None, min_ctas: int | None,
-                                                                  tconv: bool | None, tokens: int | None) -> None:
+                                                                  tconv: bool | None, tokens: int | None,
+                                                                  cluster: bool | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
     tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product;
     `tokens` (rows of a request a program, their pages' union walked once: the few blocks a
-    request has here make the tokens' selections overlap) where the step allows it."""
+    request has here make the tokens' selections overlap) where the step allows it; `cluster` (2-8
+    fused splits merged through distributed shared memory; more, or one, merge as without)."""
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
         tconv = None if tconv else tconv
@@ -428,9 +459,9 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
         tokens = 1
     lag = None if tokens is not None and tokens > 1 else lag
     note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
-         f"min_ctas={min_ctas} tconv={tconv} tokens={tokens}")
+         f"min_ctas={min_ctas} tconv={tconv} tokens={tokens} cluster={cluster}")
     backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
-                          min_ctas=min_ctas, tconv=tconv, tokens=tokens)
+                          min_ctas=min_ctas, tconv=tconv, tokens=tokens, cluster=cluster)
     _run_wgmma_against_the_loop(hostile, backend, lse_wanted, f"cute wgmma [{hostile} splits={splits}]")
 
 
@@ -452,6 +483,41 @@ def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: s
     backend = CuteBackend(kernel="wgmma", tokens=tokens, num_splits=splits)
     config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma tokens={tokens} [{hostile}]")
     assert config.tokens == tokens
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize("cluster", [False, True])
+def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(cluster: bool) -> None:
+    """`Sm90Spec.trace` (benchmarks/trace_cute.py): every CTA writes each milestone's clock, in
+    order, its tile count and the global timer at its start and end; the CTAs that merged say so
+    (with `cluster` all of a program's splits, else its last); the output is the reference's."""
+    from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_WORDS
+
+    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, context_len=4096, kv_cache_dtype="fp8_e4m3",
+                            device="cuda", seed=random.randrange(2**31))
+    problem, inputs = check_decode_inputs(**step.kwargs())
+    plan = CuteBackend(kernel="wgmma", cluster=cluster, num_splits=4).plan(problem,
+                                                                            StepTables.for_inputs(problem, inputs))
+    spec = attrs.evolve(launch.spec_for(problem, plan.config, problem.out_dtype, False), trace=True)
+    index = torch.cuda.current_device()
+    traced = launch.compiled_kernel(spec, torch.cuda.get_device_capability(index)).launcher(index)
+    programs = wgmma_programs(problem)
+    words = torch.zeros((programs * 4, TRACE_WORDS), dtype=torch.int64, device="cuda")
+    out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    launch.launch_cute(problem, inputs, plan.rows, out, words, plan.config, plan.workspace, {True: traced})
+    want = msa.sparse_decode(**step.kwargs(), backend="reference")
+    assert (out.float() - want.float()).abs().max().item() <= 2e-2
+    n = len(TRACE_POINTS)
+    merged = 0
+    for w in words.cpu().tolist():
+        clocks = [w[TRACE_POINTS.index(p)] for p in TRACE_POINTS if p != "merged"]
+        assert all(clocks) and clocks == sorted(clocks), w
+        assert w[n + 1] >= w[n] > 0 and w[n + 2] >= clocks[-1] and w[n + 3] == 32 // 4
+        if w[n + 4]:
+            merged += 1
+            assert w[TRACE_POINTS.index("merged")] >= clocks[-1]
+    assert merged == (programs * 4 if cluster else programs)
 
 
 @pytest.mark.gpu
@@ -511,7 +577,6 @@ def test_run_launches_the_plans_compiled_kernel(with_lse: bool, ragged: bool, mo
     list (checked here on the CPU with the kernels replaced by recorders: the GPU tests run them);
     the rows of each request are L for a uniform step and 0 for a ragged one (no request of a
     row is inferred from it then)."""
-    from msa.backends.cute import launch
 
     step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=1000, kv_cache_dtype="nvfp4", seed=1,
                             decode_query_len=2)
@@ -593,15 +658,26 @@ UNION_VARIANTS = [(("fp8", "bf16", 32, False, True, 3, False, True), True, 4),
                   (("fp8", "e4m3", 32, True, False, 2, True, False), False, 2),
                   (("nvfp4", "f16", 32, False, True, 3, True, True), False, 4),
                   (("nvfp4", "bf16", 16, True, False, 2, True, True), False, 2)]
+#: Fused splits merged as one cluster through distributed shared memory, and the traced kernel:
+#: (variant, cluster, trace).
+CLUSTER_VARIANTS = [(("fp8", "bf16", 16, False, True, 3, False, True), 2, False),
+                    (("nvfp4", "f16", 8, False, True, 2, True, True), 8, False),
+                    (("fp8", "e4m3", 8, False, True, 3, True, False), 5, False),
+                    (("fp8", "bf16", 8, True, False, 3, True, True), 0, True),
+                    (("fp8", "f16", 16, False, True, 3, False, True), 4, True)]
 
 
 @needs_dsl
-@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv", "tokens"),
-                         [(*v, False, 1) for v in WGMMA_VARIANTS] + [(*v, True, 1) for v in TCONV_VARIANTS]
-                         + [(*v, tconv, tokens) for v, tconv, tokens in UNION_VARIANTS])
+@pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv", "tokens",
+                          "cluster", "trace"),
+                         [(*v, False, 1, 0, False) for v in WGMMA_VARIANTS]
+                         + [(*v, True, 1, 0, False) for v in TCONV_VARIANTS]
+                         + [(*v, tconv, tokens, 0, False) for v, tconv, tokens in UNION_VARIANTS]
+                         + [(*v, False, 1, cluster, trace) for v, cluster, trace in CLUSTER_VARIANTS])
 def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str, q_kind: str, nc: int, final: bool,
                                                                       fused: bool, stages: int, vreg: bool,
-                                                                      kreg: bool, tconv: bool, tokens: int) -> None:
+                                                                      kreg: bool, tconv: bool, tokens: int,
+                                                                      cluster: int, trace: bool) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
     the host argument list `fastcall` packs (the GPU tests run it), and its shared memory is what
     `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says."""
@@ -611,8 +687,8 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     wgs = 1 if final else 2
-    spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not final, nc, stages, fused, vreg=vreg, wgs=wgs,
-                    kind=kind, kreg=kreg, tconv=tconv, tokens=tokens)
+    spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not (final or trace), nc, stages, fused, vreg=vreg,
+                    wgs=wgs, kind=kind, kreg=kreg, tconv=tconv, tokens=tokens, cluster=cluster, trace=trace)
     host = build_sm90(spec)
     fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
@@ -627,6 +703,18 @@ def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
 
     with pytest.raises(ValueError, match="vreg"):
         build_sm90(Sm90Spec(128, "bf16", "bf16", True, False, kind="nvfp4"))
+
+
+@needs_dsl
+@pytest.mark.parametrize(("fused", "cluster", "write_lse", "trace", "why"),
+                         [(False, 2, False, False, "fused merge of 2 .. 8"), (True, 9, False, False, "2 .. 8"),
+                          (True, 1, False, False, "2 .. 8"), (True, 0, True, True, "where the LSE would go")])
+def test_the_wgmma_kernel_refuses_clusters_it_cannot_merge_and_a_trace_beside_the_lse(
+        fused: bool, cluster: int, write_lse: bool, trace: bool, why: str) -> None:
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    with pytest.raises(ValueError, match=why):
+        build_sm90(Sm90Spec(128, "bf16", "bf16", False, write_lse, fused=fused, cluster=cluster, trace=trace))
 
 
 @needs_dsl
@@ -670,7 +758,6 @@ def test_packed_call_launches_through_the_dsls_executor(compiled_host: Any, pack
 def test_plans_launch_through_the_packed_path_and_match() -> None:
     """On the installed DSL every compiled kernel packs its own arguments (the DSL's adaptation
     matched at compile time), and a plan launched that way matches the reference, twice."""
-    from msa.backends.cute import launch
 
     backend = CuteBackend()
     for seed in (2, 3):

@@ -55,6 +55,8 @@ from msa.backends.cute.config import (
     max_stages,
     programs,
     wgmma_auto_min_programs,
+    wgmma_cluster,
+    wgmma_cluster_default,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -104,7 +106,8 @@ class CuteBackend(Backend[CutePlan]):
 
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
-    `min_ctas` (>= 0, launch bounds), `fused`, `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv` and
+    `min_ctas` (>= 0, launch bounds), `fused`, `cluster` (a fused program's 2-8 splits one cluster,
+    merged through distributed shared memory), `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv` and
     `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once)
     ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`, `tokens` a uniform step
     and a GQA group of 8 or 16: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
@@ -130,7 +133,8 @@ class CuteBackend(Backend[CutePlan]):
     def __init__(self, num_splits: int | None = None, stages: int | None = None, qk_chains: int | None = None,
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
-                 kreg: bool | None = None, tconv: bool | None = None, tokens: int | None = None) -> None:
+                 kreg: bool | None = None, tconv: bool | None = None, tokens: int | None = None,
+                 cluster: bool | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -139,7 +143,8 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
         _check_option("tokens", tokens, f"one of {WGMMA_TOKENS}", tokens in WGMMA_TOKENS)
-        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv)):
+        for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv),
+                           ("cluster", cluster)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
         self.kernel = kernel
         self.fused = fused
@@ -149,6 +154,7 @@ class CuteBackend(Backend[CutePlan]):
         self.kreg = kreg
         self.tconv = tconv
         self.tokens = tokens
+        self.cluster = cluster
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -235,7 +241,8 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
                               fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
-                              tokens=tokens)
+                              tokens=tokens, cluster=wgmma_cluster_default(problem, tokens) if self.cluster is None
+                              else self.cluster)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
@@ -252,7 +259,9 @@ class CuteBackend(Backend[CutePlan]):
         except MSAInputError as exc:
             return f"cannot run this step with these options: {exc}"
         splits = f"{c.num_splits} split{'s' if c.num_splits > 1 else ''}"
-        if c.num_splits > 1:
+        if c.num_splits > 1 and wgmma_cluster(c):
+            splits += f" merged in the kernel, a cluster of {c.num_splits} CTAs through distributed shared memory"
+        elif c.num_splits > 1:
             splits += " merged in the kernel" if c.fused else " merged by the Triton merge kernel"
         if c.kernel == "mma":
             return f"mma kernel (mma.sync, operands decoded in registers): {splits}, {c.stages} steps in flight"

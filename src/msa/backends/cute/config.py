@@ -17,7 +17,8 @@ __all__ = [
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
-    "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS",
+    "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
+    "WGMMA_VREG_HEADS", "wgmma_cluster_default",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -75,14 +76,27 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
 #: Wider steps keep the fp8 product (`choose_wgmma_shape`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
-#: fp8 steps below one wave with CTAs of this many query heads convert their keys on the tensor
-#: cores (`tconv`). H200, M3 fp8 at 64K, same-run A/B (benchmarks/bench_cute.py, 2026-12-04): TP8
-#: B = 16 / 64 / 128 13.9 / 21.8 / 32.4 us against 14.4 / 22.0 / 32.5; past one wave (TP8 B = 256
-#: 51.5 against 47.6, TP1 B = 64-256 +0.4-3.4 us) and with two warpgroups (TP1 B = 16: 25.3
-#: against 23.4, ptxas serialises its products) it loses.
+#: fp8 steps below one wave with CTAs of this many query heads (TP8) take their values into
+#: registers (`vreg`) with the keys decoded into f16 registers, not converted on the tensor cores
+#: (`tconv`, which chains a second product round trip before each tile's scores). H200, M3 fp8 at
+#: 64K, same-run A/B (benchmarks/bench_cute.py, 2026-12-04, session 19): TP8 B = 16 / 64 12.9 /
+#: 20.7 us against `tconv`'s 13.5 / 21.4 (`trace_cute.py`: a tile's keys 0.09 us against 0.41).
+WGMMA_VREG_HEADS = 8
+#: The fewest query heads of a CTA whose fp8 keys `_union_shape` converts on the tensor cores
+#: (32 columns: ptxas serialises the products of its other shapes).
 WGMMA_TCONV_HEADS = 8
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
+#: (cache kind, query heads a CTA) whose programs, one row each, merge their 2 .. `WGMMA_MAX_CLUSTER`
+#: splits as one thread-block cluster through distributed shared memory by default, instead of by the
+#: last split to finish from partials in global memory. H200, M3 at 64K, same-run A/B
+#: (benchmarks/bench_cute.py, 2026-12-04, session 19), cluster against global: fp8 16-head CTAs
+#: TP1 B = 16 21.8 / 22.8 us, TP4 B = 16 14.4 / 15.9; elsewhere level or slower (fp8 TP8 B = 16 /
+#: 64 13.5 / 13.8, 21.8 / 21.5; NVFP4 TP8 B = 16 / 64 12.9 / 12.4, 19.2 / 17.8; NVFP4 TP1 B = 16
+#: 21.9 / 20.6; NVFP4 TP4 B = 16 13.9 / 14.4).
+WGMMA_CLUSTER_MERGE = frozenset({("fp8", 16)})
+#: The most splits such a cluster holds (the portable cluster size).
+WGMMA_MAX_CLUSTER = 8
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
 WGMMA_LAG = False
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
@@ -119,6 +133,8 @@ class CuteConfig:
         an identity tile) instead of by conversion instructions (with `kreg`; "wgmma").
     tokens: query rows of one request each wgmma program takes together, walking the union of
         their selected pages once (`wgmma_tokens_serve`; 1: a program per row).
+    cluster: with `fused`, a program's splits are one thread-block cluster and merge through
+        distributed shared memory where there are 2 .. `WGMMA_MAX_CLUSTER` of them (`wgmma_cluster`).
     """
 
     num_splits: int
@@ -133,6 +149,20 @@ class CuteConfig:
     kreg: bool = False
     tconv: bool = False
     tokens: int = 1
+    cluster: bool = False
+
+
+def wgmma_cluster(config: CuteConfig) -> int:
+    """CTAs of the cluster a wgmma program's splits form (its split count where `config.cluster`
+    merges them through distributed shared memory), or 0."""
+    splits = config.num_splits
+    return splits if config.cluster and config.fused and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
+
+
+def wgmma_cluster_default(problem: DecodeProblem, tokens: int = 1) -> bool:
+    """Whether a wgmma step merges its fused splits in a cluster unless asked (`WGMMA_CLUSTER_MERGE`)."""
+    kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
+    return tokens == 1 and (kind, wgmma_heads(problem.geometry.group_size)) in WGMMA_CLUSTER_MERGE
 
 
 def max_stages(kind: str) -> int:
@@ -339,8 +369,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     - the other steps below the SMs (TP1 B = 1, TP8, NVFP4): one warpgroup, splits up to two
       CTAs per SM, each keeping 4 tiles — fp8 TP8 B = 8 / 16 / 64 12.5 / 13.8 / 21.8 us against
       13.4 / 14.3 / 22.1 with two; NVFP4 TP1 B = 16 22.3 against 27.6, TP8 B = 16 / 64 13.2 /
-      19.2 against 14.0 / 23.9; fp8 with 8-head CTAs (TP8) converts its keys on the tensor
-      cores (`WGMMA_TCONV_HEADS`).
+      19.2 against 14.0 / 23.9; fp8 with 8-head CTAs (TP8) reads its values into registers
+      (`WGMMA_VREG_HEADS`).
 
     NVFP4 takes the same walk with its keys and values always in registers (H200, M3 NVFP4
     against the mma kernel: TP1 B = 64 / 256 49.4 / 151.1 us against 51.0 / 162.8). fp8 keys in
@@ -362,8 +392,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
         return WgmmaShape(splits, stages, 1, nvfp4, kreg)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
         return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False, kreg)
-    tconv = not nvfp4 and kreg and wgmma_heads(problem.geometry.group_size) == WGMMA_TCONV_HEADS
-    return WgmmaShape(splits, stages, 1, nvfp4, kreg, tconv)
+    vreg = nvfp4 or wgmma_heads(problem.geometry.group_size) == WGMMA_VREG_HEADS
+    return WgmmaShape(splits, stages, 1, vreg, kreg)
 
 
 def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, wgs: int = 1,

@@ -21,6 +21,7 @@ from msa.backends.cute.config import (
     Q_KINDS,
     WGMMA_KINDS,
     CuteConfig,
+    wgmma_cluster,
     wgmma_heads,
     wgmma_programs,
 )
@@ -40,14 +41,16 @@ _compiled: dict[tuple[Any, tuple[int, int]], PackedCall] = {}
 
 
 class CuteWorkspace:
-    """What a plan owns: split partials `[B*L*Hq*S, D]` / `[B*L*Hq*S, 2]` (fp32), followed (for a
-    kernel that merges its splits itself) by one zeroed int32 counter per program, and a 1.0 the
-    kernel reads for every scale the caller gives as a float."""
+    """What a plan owns: split partials `[B*L*Hq*S, D]` / `[B*L*Hq*S, 2]` (fp32; none where a
+    cluster merges the splits in shared memory), followed (for a kernel whose last split merges
+    them) by one zeroed int32 counter per program, and a 1.0 the kernel reads for every scale the
+    caller gives as a float."""
 
     def __init__(self, problem: DecodeProblem, config: CuteConfig, device: torch.device) -> None:
-        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits if config.num_splits > 1 else 0
+        in_global = config.num_splits > 1 and not wgmma_cluster(config)  # (a cluster merges in shared memory)
+        rows = problem.num_rows * problem.geometry.num_q_heads * config.num_splits if in_global else 0
         self.partial_out = torch.empty((max(rows, 1), problem.geometry.head_dim), dtype=torch.float32, device=device)
-        counters = wgmma_programs(problem) if config.fused and config.num_splits > 1 else 0
+        counters = wgmma_programs(problem) if config.fused and in_global else 0
         self._ml = torch.zeros(max(rows, 1) * 2 + counters, dtype=torch.float32, device=device)
         self.partial_ml = self._ml[:max(rows, 1) * 2].view(max(rows, 1), 2)
         self.one = torch.ones(1, dtype=torch.float32, device=device)
@@ -63,7 +66,8 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
         return Sm90Spec(g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype], config.num_splits == 1,
                         with_lse and (config.num_splits == 1 or fused), wgmma_heads(g.group_size) * config.tokens,
                         config.stages, fused, config.lag, config.min_ctas, config.wgs, config.vreg,
-                        WGMMA_KINDS[problem.kv_layout], config.kreg, config.tconv, config.tokens)
+                        WGMMA_KINDS[problem.kv_layout], config.kreg, config.tconv, config.tokens,
+                        wgmma_cluster(config) if fused else 0)
     from msa.backends.cute.kernel import KernelSpec
 
     return KernelSpec(KINDS[problem.kv_layout], g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],

@@ -385,12 +385,6 @@ def shfl_idx_i32(x: Any, src: int) -> Int32:
 
 # -- split-K merged in the kernel -------------------------------------------------------------
 
-def fence_gpu() -> None:
-    """`fence.acq_rel.gpu`: this thread's earlier stores are visible GPU-wide before its later
-    ones (and its later loads see what a fenced writer stored before the count it read)."""
-    _asm(1, T.i32, "{fence.acq_rel.gpu; mov.b32 $0, 0;}", "=r", side=True)
-
-
 def atom_add_acq_rel(addr: Any, value: Any) -> Int32:
     """`atom.acq_rel.gpu.global.add.u32`: the old value."""
     return _i32(1, "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", addr, Int32(value), side=True)[0]
@@ -439,3 +433,39 @@ def prmt(a: Any, b: Any, selector: Any) -> Int32:
     if isinstance(selector, int):
         return _i32(1, f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", a, b)[0]
     return _i32(1, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", a, b, Int32(selector))[0]
+
+
+# -- split-K merged through distributed shared memory ------------------------------------------
+
+def mapa(addr: Any, rank: Any) -> Int32:
+    """The shared::cluster address of shared address `addr` in the CTA of cluster rank `rank`."""
+    return _i32(1, "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", Int32(addr), Int32(rank))[0]
+
+
+def ld_cluster_f32s(addr: Any, pred: Any, n: int) -> list[Float32]:
+    """`n` (2 or 4) consecutive floats of another CTA's shared memory (`addr` from `mapa`, aligned
+    to 4 `n` bytes) in one vector load; all 0 and no access when `pred` is 0."""
+    outs = ",".join(f"${i}" for i in range(n))
+    zero = " ".join(f"mov.f32 ${i}, 0f00000000;" for i in range(n))
+    load = f"@p ld.shared::cluster.v{n}.f32 {{{outs}}}, [${n}];"
+    vals = _asm(n, T.f32, f"{{.reg .pred p; setp.ne.b32 p, ${n + 1}, 0; {zero} {load}}}",
+                ",".join(["=f"] * n) + ",r,r", Int32(addr), pred, side=True)
+    return [Float32(v) for v in vals]
+
+
+# -- profiling (`Sm90Spec.trace`) -------------------------------------------------------------
+
+def clock64() -> Int64:
+    """The SM's cycle counter (`%clock64`; comparable within one CTA)."""
+    return Int64(_asm(1, T.i64, "mov.u64 $0, %clock64;", "=l", side=True)[0])
+
+
+def globaltimer() -> Int64:
+    """The GPU's nanosecond timer (`%globaltimer`; comparable across SMs, coarser than the clock)."""
+    return Int64(_asm(1, T.i64, "mov.u64 $0, %globaltimer;", "=l", side=True)[0])
+
+
+def st_u64(addr: Any, value: Any, pred: Any) -> None:
+    """Store 8 bytes when `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; @p st.global.u64 [$1], $2;}",
+         "=r,l,l,r", addr, Int64(value), pred, side=True)

@@ -68,7 +68,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import Q_TERMS, WGMMA_HASH_SLOTS, WGMMA_TOKENS
+from msa.backends.cute.config import Q_TERMS, WGMMA_HASH_SLOTS, WGMMA_MAX_CLUSTER, WGMMA_TOKENS
 
 __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS"]
 
@@ -77,10 +77,23 @@ TILE = 64
 #: The caches the kernel reads.
 CACHE_KINDS = ("fp8", "nvfp4")
 _THREADS = 128
+#: Floats of a row each thread of that merge takes from every split (one vector load each).
+_CLUSTER_VEC = 4
 _NEG_INF = float("-inf")
 #: With `lag`, the weights of a tile are 2^(s - the maximum through the previous tiles); a tile
 #: with a weight above 2^_LAG_LIMIT is redone with its own maximum (the weights are stored as f16).
 _LAG_LIMIT = 15.0
+#: `Sm90Spec.trace`'s words of a CTA: its milestones' SM clocks (word i: milestone i; the tiles'
+#: only for the first `TRACE_TILES`), then the global nanosecond timer at its start and end, the
+#: clock at its end, its tile count and whether it merged the splits (1).
+TRACE_TILES = 4
+#: A traced tile's milestones: its copy complete, its keys in registers, its scores retired, the
+#: column maxima exchanged, its weights stored, its stage released.
+TRACE_TILE_STEPS = ("copied", "keys", "scores", "maxima", "weights", "done")
+TRACE_POINTS = ("start", "tiles listed", "prologue done",
+                *(f"tile {u} {what}" for u in range(TRACE_TILES) for what in TRACE_TILE_STEPS),
+                "walk done", "output staged", "split counted", "merged")
+TRACE_WORDS = len(TRACE_POINTS) + 5
 
 
 @attrs.frozen
@@ -123,6 +136,14 @@ class Sm90Spec:
             token c // (nc // tokens), query head c % (nc // tokens); the GQA group exactly
             `nc // tokens`, a multiple of 8), a column's score -inf where its token did not select
             the page or the position is past its visible length.
+        cluster: with `fused`, the splits of a program are one thread-block cluster of this many
+            CTAs (the launch's split count, 2 .. `WGMMA_MAX_CLUSTER`): each leaves its state in its own
+            shared memory and, after a cluster barrier, merges its share of the output from all of
+            theirs through distributed shared memory (no partials in global memory, no counter).
+            0: the last split to finish merges the partials in global memory.
+        trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
+            (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
+            8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
     """
 
     page_size: int
@@ -141,6 +162,8 @@ class Sm90Spec:
     kreg: bool = False
     tconv: bool = False
     tokens: int = 1
+    cluster: int = 0
+    trace: bool = False
 
 
 def _flag(cond: Any) -> Any:
@@ -198,6 +221,18 @@ def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
         sP_kh[tScS[e]] = half[e]
 
 
+def _mark(on: bool, at: Any, pred: Any, point: Any, value: Any = None) -> None:
+    """`Sm90Spec.trace`: word `point` of the CTA's trace at `at` := the SM clock (or `value`), by
+    the thread whose `pred` is 1 (nothing unless `on`)."""
+    if on:
+        ptx.st_u64(at + 8 * point, ptx.clock64() if value is None else value, pred)
+
+
+def _tile_point(u: Any, step: str) -> Any:
+    """The trace word of tile `u`'s milestone `step` (`TRACE_TILE_STEPS`)."""
+    return 3 + len(TRACE_TILE_STEPS) * u + TRACE_TILE_STEPS.index(step)
+
+
 def _split_tiles(total: Any, split: Any, num_splits: Any, wg: int | Any, wgs: int) -> tuple[Any, Any]:
     """(first tile, tiles) of warpgroup `wg` in split `split` of a row's `total` tiles: the split's
     even share, dealt to its `wgs` warpgroups in turn (warpgroup `wg` walks first + wgs s)."""
@@ -228,6 +263,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     NVFP4 = spec.kind == "nvfp4"
     if NVFP4 and not spec.vreg:
         raise ValueError("the NVFP4 kernel decodes the values into registers (vreg)")
+    CL = spec.cluster
+    if CL and not (spec.fused and 2 <= CL <= WGMMA_MAX_CLUSTER):
+        raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits")
+    if spec.trace and spec.write_lse:
+        raise ValueError("trace writes its clocks where the LSE would go")
     if spec.stages < 2 or spec.wgs not in (1, 2):
         raise ValueError(f"stages {spec.stages} (>= 2) / wgs {spec.wgs} (1 or 2)")
     HALVES = P // TILE
@@ -243,6 +283,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     WGS = spec.wgs
     VREG = spec.vreg
     T = spec.tokens
+    TRACE = spec.trace
     if T not in WGMMA_TOKENS or NC % T or (T > 1 and ((NC // T) % 8 or LAG)):
         raise ValueError(f"tokens {T}: one of {WGMMA_TOKENS}, dividing {NC} heads into groups of a multiple of 8 "
                          "(not with lag)")
@@ -293,6 +334,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         gc = pid % chunks
         h = (pid // chunks) % num_kv_heads
         r = pid // (chunks * num_kv_heads)
+        trace_at = lse + (Int64(pid) * Int64(num_splits) + Int64(split)) * (8 * TRACE_WORDS)
+
+        tracer = _flag(tid == 0)
+        if cutlass.const_expr(TRACE):
+            _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("start"))
+            _mark(TRACE, trace_at, tracer, len(TRACE_POINTS), ptx.globaltimer())
 
         smem = SmemAllocator()
         st = smem.allocate(built["storage"])
@@ -453,6 +500,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if lane == 0:
                 count[0] = total_tiles
             cute.arch.sync_warp()  # the lanes' tile entries, visible to the warp
+            _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("tiles listed"))
             f0, fn = _split_tiles(total_tiles, split, num_splits, 0, WGS)
             for s in cutlass.range_constexpr(ST - 1):
                 if s < fn:
@@ -530,6 +578,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # this warpgroup's tiles: t0 + WGS s, s < nloc (the first warpgroup's first copies are in
         # flight already; another's start here)
         t0, nloc = _split_tiles(count[0], split, num_splits, wg, WGS)
+        _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("prologue done"))
         if cutlass.const_expr(WGS > 1):  # noqa: SIM102 - a compile-time condition, then a run-time one
             if wwarp == 0 and wg > 0:
                 for s in cutlass.range_constexpr(ST - 1):
@@ -647,6 +696,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
                     _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu])
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
+            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                if u < TRACE_TILES:
+                    _mark(TRACE, trace_at, tracer, _tile_point(u, "copied"))
             vis = tile_vis[t0 + WGS * u]
             if cutlass.const_expr(T > 1):
                 tvis = tile_tvis[t0 + WGS * u]
@@ -687,6 +739,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         tSrK32[hh + 2, 0, j] = pair[1]
 
             # scores: S^T = K . (sum of the q terms)^T
+            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                if u < TRACE_TILES:
+                    _mark(TRACE, trace_at, tracer, _tile_point(u, "keys"))
             warpgroup.fence()
             if cutlass.const_expr(KREG and not TCONV):
                 # the last tile's values (zeros before the first): issued here, after this tile's key
@@ -729,6 +784,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+                if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                    if u < TRACE_TILES:
+                        _mark(TRACE, trace_at, tracer, _tile_point(u, "scores"))
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
                         # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
@@ -752,6 +810,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 for c in cutlass.range_constexpr(NCV):
                     cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+                if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                    if u < TRACE_TILES:
+                        _mark(TRACE, trace_at, tracer, _tile_point(u, "scores"))
 
                 vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
                 for c in cutlass.range_constexpr(NCV):
@@ -813,6 +874,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         colmax[wwarp, buf + tScS[e][1]] = m
                 if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
+                    if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                        if u < TRACE_TILES:
+                            _mark(TRACE, trace_at, tracer, _tile_point(u, "maxima"))
                     for ci in cutlass.range_constexpr(NCOL):
                         mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                 else:
@@ -839,8 +903,14 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         _wg_barrier(wg, WGS)
                 else:
                     _wg_barrier(wg, WGS)
+                    if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                        if u < TRACE_TILES:
+                            _mark(TRACE, trace_at, tracer, _tile_point(u, "weights"))
             if wtid == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
+            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
+                if u < TRACE_TILES:
+                    _mark(TRACE, trace_at, tracer, _tile_point(u, "done"))
             moved = Int32(0)
             for ci in cutlass.range_constexpr(NCOL):
                 e = 4 * (ci // 2) + ci % 2
@@ -869,6 +939,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
             warpgroup.commit_group()
         warpgroup.wait_group(0)
+        _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("walk done"))
 
         # per-head sums: the thread's two rows, the warp's eight lanes, then the four warps
         for ci in cutlass.range_constexpr(NCOL):
@@ -895,6 +966,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 d = 32 * (d % 64 // 16) + 16 * (d // 64) + 2 * (d % 8) + d % 16 // 8
             sO[tOcO[e][1], d, wg] = accO[e]
         cute.arch.barrier()
+        _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("output staged"))
 
         # thread (row, c) of the first warpgroup: head `row`, elements c .. c + CW - 1, the
         # warpgroups' states merged
@@ -936,72 +1008,131 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if cutlass.const_expr(write_lse):
                 ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
                            row_ok * _flag(c0 == 0))
+        elif cutlass.const_expr(CL > 0):
+            # this split's state stays in its shared memory: the first warpgroup's rows of the
+            # staged tile (its merged state with two warpgroups), (m, l) in the row's padding
+            if wg == 0:
+                if cutlass.const_expr(WGS > 1):
+                    for k in cutlass.range_constexpr(CW):
+                        sO[row, c0 + k, 0] = ov[k]
+                if c0 == 0:
+                    sO[row, D, 0] = m_all
+                    sO[row, D + 1, 0] = l_all
+            cute.arch.cluster_arrive()  # (release: the cluster's CTAs see it after their wait)
+            cute.arch.cluster_wait()
+            _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("split counted"))
+            # thread i of the first warpgroup of split k: vectors i + 128 (k + CL n) of the
+            # program's NC x D outputs, each _CLUSTER_VEC floats of a row from every split's
+            # shared memory (all loads in flight together), merged and written
+            so_at = sO.iterator.toint()
+            NV = NC * D // _CLUSTER_VEC
+            for n in cutlass.range_constexpr(-(-NV // (CL * _THREADS))):
+                v = wtid + _THREADS * (split + CL * n)
+                vrow = v // (D // _CLUSTER_VEC)
+                vc = (v % (D // _CLUSTER_VEC)) * _CLUSTER_VEC
+                v_ok = _flag(v < NV) * _flag(wg == 0) * _flag(gc * NC + vrow % GC < group)
+                mls = []
+                parts_c = []
+                for k in cutlass.range_constexpr(CL):
+                    mls.append(ptx.ld_cluster_f32s(ptx.mapa(so_at + (vrow * OROW + D) * 4, k), v_ok, 2))
+                    parts_c.append(ptx.ld_cluster_f32s(ptx.mapa(so_at + (vrow * OROW + vc) * 4, k), v_ok,
+                                                       _CLUSTER_VEC))
+                m_top = Float32(_NEG_INF)
+                for k in cutlass.range_constexpr(CL):
+                    m_top = ptx.fmax(m_top, mls[k][0])
+                m_ok = ptx.safe(m_top)
+                l_top = Float32(0.0)
+                acc = [Float32(0.0)] * _CLUSTER_VEC
+                for k in cutlass.range_constexpr(CL):
+                    w_s = cute.arch.exp2(mls[k][0] - m_ok)  # (a split with nothing visible: 0)
+                    l_top = l_top + mls[k][1] * w_s
+                    acc = [acc[i] + parts_c[k][i] * w_s for i in range(_CLUSTER_VEC)]
+                inv = ptx.inv_or_zero(l_top, vs * v_fix)
+                v_qh = Int64(h * group + gc * NC + vrow % GC)
+                v_ro = r0 + vrow // GC
+                obase = out + (Int64(v_ro) * stride_or + v_qh * stride_oh + vc) * 2
+                for k in cutlass.range_constexpr(_CLUSTER_VEC // 2):
+                    ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind), v_ok)
+                if cutlass.const_expr(write_lse):
+                    ptx.st_f32(lse + (Int64(v_ro) * stride_lr + v_qh * stride_lh) * 4, ptx.lse(m_top, l_top),
+                               v_ok * _flag(vc == 0))
+            _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("merged"))
+            _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 4, Int64(1))
+            cute.arch.cluster_arrive()  # no CTA leaves while another reads its shared memory
+            cute.arch.cluster_wait()
         else:
-            if cutlass.const_expr(NVFP4):
-                for k in cutlass.range_constexpr(CW):
-                    ov[k] = ov[k] * v_fix
-            prow = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
-            base = part_o + (prow * D + c0) * 4
-            for k in cutlass.range_constexpr(CW // 4):
-                ptx.st_v4(base + 16 * k, ptx.f32_bits(ov[4 * k]), ptx.f32_bits(ov[4 * k + 1]),
-                          ptx.f32_bits(ov[4 * k + 2]), ptx.f32_bits(ov[4 * k + 3]), row_ok)
-            ok0 = row_ok * _flag(c0 == 0)
-            ptx.st_f32(part_ml + prow * 8, m_all, ok0)
-            ptx.st_f32(part_ml + prow * 8 + 4, l_all, ok0)
-            if cutlass.const_expr(spec.fused):
-                # count this split in (after every thread's partials are fenced GPU-wide); the
-                # last of the program's splits merges them all
-                ptx.fence_gpu()
-                cute.arch.barrier()
-                n_part = Int64(num_rows) * Int64(num_kv_heads * group) * Int64(num_splits) * 8
-                counter = part_ml + n_part + Int64(pid) * 4
-                if tid == 0:
-                    done = ptx.atom_add_acq_rel(counter, 1)
-                    count[1] = done
-                cute.arch.barrier()
-                if count[1] % num_splits == num_splits - 1:
-                    ptx.fence_gpu()
-                    prow0 = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
-                    # the splits MERGE at a time, each one vector load of its (m, l) and CW // 4 of
-                    # its partial row, all in flight together; the running maximum rescales what is
-                    # summed so far (a split past the last, or with no visible token, weighs 0)
-                    m_top = Float32(_NEG_INF)
-                    l_top = Float32(0.0)
-                    acc = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
-                    acc.fill(0.0)
-                    parts = cute.make_rmem_tensor(cute.make_layout((CW, MERGE)), Float32)
-                    ms = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
-                    ls = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
-                    for c in cutlass.range((num_splits + (MERGE - 1)) // MERGE, unroll=1):
-                        for i in cutlass.range_constexpr(MERGE):
-                            s_i = c * MERGE + i
-                            s_ok = row_ok * _flag(s_i < num_splits)
-                            _load_split(ms, ls, parts, i, part_ml + (prow0 + Int64(s_i)) * 8,
-                                        part_o + ((prow0 + Int64(s_i)) * D + c0) * 4, s_ok, CW)
-                        m_new = m_top
-                        for i in cutlass.range_constexpr(MERGE):
-                            m_new = ptx.fmax(m_new, ms[i])
-                        m_ok = ptx.safe(m_new)
-                        keep = cute.arch.exp2(m_top - m_ok)
-                        l_top = l_top * keep
-                        for k in cutlass.range_constexpr(CW):
-                            acc[k] = acc[k] * keep
-                        for i in cutlass.range_constexpr(MERGE):
-                            w_s = cute.arch.exp2(ms[i] - m_ok)
-                            l_top = l_top + ls[i] * w_s
-                            for k in cutlass.range_constexpr(CW):
-                                acc[k] = acc[k] + parts[k, i] * w_s
-                        m_top = m_new
-                    inv = ptx.inv_or_zero(l_top, vs)
-                    obase = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
-                    for k in cutlass.range_constexpr(CW // 2):
-                        ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind),
-                                   row_ok)
-                    if cutlass.const_expr(write_lse):
-                        ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
-                                   row_ok * _flag(c0 == 0))
+                if cutlass.const_expr(NVFP4):
+                    for k in cutlass.range_constexpr(CW):
+                        ov[k] = ov[k] * v_fix
+                prow = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits) + Int64(split)
+                base = part_o + (prow * D + c0) * 4
+                for k in cutlass.range_constexpr(CW // 4):
+                    ptx.st_v4(base + 16 * k, ptx.f32_bits(ov[4 * k]), ptx.f32_bits(ov[4 * k + 1]),
+                              ptx.f32_bits(ov[4 * k + 2]), ptx.f32_bits(ov[4 * k + 3]), row_ok)
+                ok0 = row_ok * _flag(c0 == 0)
+                ptx.st_f32(part_ml + prow * 8, m_all, ok0)
+                ptx.st_f32(part_ml + prow * 8 + 4, l_all, ok0)
+                if cutlass.const_expr(spec.fused):
+                    # count this split in: the CTA's barrier orders every thread's partials before
+                    # thread 0's acquire-release count (cumulative at GPU scope, as a grid barrier's
+                    # fence by one thread is); the last of the program's splits merges them all, its
+                    # loads after the count its thread 0 acquired and the barrier after it
+                    cute.arch.barrier()
+                    n_part = Int64(num_rows) * Int64(num_kv_heads * group) * Int64(num_splits) * 8
+                    counter = part_ml + n_part + Int64(pid) * 4
                     if tid == 0:
-                        ptx.atom_add_relaxed(counter, -num_splits)
+                        done = ptx.atom_add_acq_rel(counter, 1)
+                        count[1] = done
+                    cute.arch.barrier()
+                    _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("split counted"))
+                    if count[1] % num_splits == num_splits - 1:
+                        prow0 = (Int64(ro) * Int64(num_kv_heads * group) + qh) * Int64(num_splits)
+                        # the splits MERGE at a time, each one vector load of its (m, l) and CW // 4 of
+                        # its partial row, all in flight together; the running maximum rescales what is
+                        # summed so far (a split past the last, or with no visible token, weighs 0)
+                        m_top = Float32(_NEG_INF)
+                        l_top = Float32(0.0)
+                        acc = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
+                        acc.fill(0.0)
+                        parts = cute.make_rmem_tensor(cute.make_layout((CW, MERGE)), Float32)
+                        ms = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
+                        ls = cute.make_rmem_tensor(cute.make_layout(MERGE), Float32)
+                        for c in cutlass.range((num_splits + (MERGE - 1)) // MERGE, unroll=1):
+                            for i in cutlass.range_constexpr(MERGE):
+                                s_i = c * MERGE + i
+                                s_ok = row_ok * _flag(s_i < num_splits)
+                                _load_split(ms, ls, parts, i, part_ml + (prow0 + Int64(s_i)) * 8,
+                                            part_o + ((prow0 + Int64(s_i)) * D + c0) * 4, s_ok, CW)
+                            m_new = m_top
+                            for i in cutlass.range_constexpr(MERGE):
+                                m_new = ptx.fmax(m_new, ms[i])
+                            m_ok = ptx.safe(m_new)
+                            keep = cute.arch.exp2(m_top - m_ok)
+                            l_top = l_top * keep
+                            for k in cutlass.range_constexpr(CW):
+                                acc[k] = acc[k] * keep
+                            for i in cutlass.range_constexpr(MERGE):
+                                w_s = cute.arch.exp2(ms[i] - m_ok)
+                                l_top = l_top + ls[i] * w_s
+                                for k in cutlass.range_constexpr(CW):
+                                    acc[k] = acc[k] + parts[k, i] * w_s
+                            m_top = m_new
+                        inv = ptx.inv_or_zero(l_top, vs)
+                        obase = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
+                        for k in cutlass.range_constexpr(CW // 2):
+                            ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind),
+                                       row_ok)
+                        if cutlass.const_expr(write_lse):
+                            ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
+                                       row_ok * _flag(c0 == 0))
+                        if tid == 0:
+                            ptx.atom_add_relaxed(counter, -num_splits)
+                        _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("merged"))
+                        _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 4, Int64(1))
+        if cutlass.const_expr(TRACE):
+            _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 1, ptx.globaltimer())
+            _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 2)
+            _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 3, Int64(nloc))
 
     @cute.jit
     def host(q: Int64, k_base: Int64, v_base: Int64, topk: Int64, table: Int64, row_request: Int64, q_pos: Int64,
@@ -1101,6 +1232,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         ck_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
                                                    cute.nvgpu.OperandMajorMode.K, f16, (1, 1, 1), tiler_mn=(TILE, 32))
         grid = [num_rows // T * num_kv_heads * ((group + (NC - 1)) // NC), num_splits, 1]
+        launch_cluster = {"cluster": [1, CL, 1]} if CL else {}
         kernel(tma_k, gK, tma_v, gV, tma_ks, gKs, tma_vs, gVs, qk_mma, pv_mma, ck_mma, ik_layout, kv_layout, vb_layout,
                p_layout,
                q_layout, sc_layout, q, topk, table, row_request, q_pos, out, lse, part_o, part_ml,
@@ -1108,7 +1240,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                stride_th, stride_tr, stride_tk, stride_bt, stride_or, stride_oh, stride_lr, stride_lh,
                num_kv_heads, group, num_topk, num_rows, row_tokens, Int32(tx_bytes)).launch(
             grid=grid, block=[_THREADS * WGS, 1, 1], stream=stream,
-            min_blocks_per_mp=spec.min_ctas)
+            min_blocks_per_mp=spec.min_ctas, **launch_cluster)
 
     host.built = built  # type: ignore[attr-defined]  # the shared-memory struct, once traced (tests size it)
     return host

@@ -1,0 +1,117 @@
+"""Where a wgmma-kernel step's time goes: the kernel compiled with `Sm90Spec.trace` (thread 0 of
+each CTA writes its SM clock at the walk's milestones), run on an M3 step with L2 flushed first
+(GPU, `nvidia-cutlass-dsl`):
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/trace_cute.py --tp 8 --batch 16 [--variant JSON] \\
+        [--query-len 4 --overlap 0.8] [--runs 20] [--json PATH]
+
+Prints, per milestone, the median over CTAs and runs of the time since the CTA started (us, the
+clock converted with its rate measured against the global timer), the spread of the CTAs'
+start times, and the kernel's span (first start to last end, global timer). The traced output is
+compared with the reference first: the trace must not change the answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import attrs
+import torch
+from m3_step import add_step_arguments, make_m3_step
+
+import msa
+from msa.backends.cute import CuteBackend
+from msa.backends.cute.config import wgmma_programs
+from msa.backends.cute.launch import compiled_kernel, launch_cute, spec_for
+from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_TILE_STEPS, TRACE_TILES, TRACE_WORDS
+from msa.display import format_table
+
+TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1))
+_GT_START, _GT_END, _CLOCK_END, _TILES, _MERGED = range(len(TRACE_POINTS), len(TRACE_POINTS) + 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_arguments(parser, tp=8, batch=16)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None, help="write every CTA's words of every run here")
+    args = parser.parse_args()
+    step, problem, inputs, tables = make_m3_step(args)
+    backend = CuteBackend(**json.loads(args.variant))
+    plan = backend.plan(problem, tables)
+    config = plan.config
+    if config.kernel != "wgmma" or (config.num_splits > 1 and not config.fused):
+        raise SystemExit(f"trace_cute: the traced kernel is the wgmma one merging its own splits, not {config}")
+    spec = attrs.evolve(spec_for(problem, config, problem.out_dtype, False), trace=True)
+    index = torch.cuda.current_device()
+    traced = compiled_kernel(spec, torch.cuda.get_device_capability(index)).launcher(index)
+    ctas = wgmma_programs(problem, config.tokens) * config.num_splits
+    words = torch.zeros((ctas, TRACE_WORDS), dtype=torch.int64, device="cuda")
+    out = torch.full(inputs.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    want = msa.sparse_decode(**step.kwargs(), backend="reference") if args.query_len == 1 else None
+    runs = []
+    for i in range(args.runs + 1):
+        flush.zero_()
+        words.zero_()
+        launch_cute(problem, inputs, plan.rows, out, words.view(ctas, TRACE_WORDS), config, plan.workspace,
+                    {True: traced, False: traced})
+        torch.cuda.synchronize()
+        if i == 0 and want is not None:
+            err = (out.float() - want.float()).abs().max().item()
+            if not err <= TOLERANCE:
+                raise SystemExit(f"trace_cute: the traced kernel is {err:.3g} from the reference (> {TOLERANCE})")
+            print(f"traced output within {err:.2e} of the reference")
+        if i > 0:  # (the first run loads the module)
+            runs.append(words.cpu().tolist())
+    report(runs, args, config)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"config": repr(config), "points": list(TRACE_POINTS), "runs": runs}))
+
+
+def report(runs: list[list[list[int]]], args: argparse.Namespace, config: object) -> None:
+    """The table of milestones (median over CTAs and runs) and the kernel's span."""
+    per_point: list[list[float]] = [[] for _ in TRACE_POINTS]
+    merged_after: list[float] = []
+    spans, skews, rates = [], [], []
+    for run in runs:
+        starts = [w[_GT_START] for w in run]
+        spans.append((max(w[_GT_END] for w in run) - min(starts)) / 1e3)
+        skews.append((max(starts) - min(starts)) / 1e3)
+        for w in run:
+            cycles = w[_CLOCK_END] - w[0]
+            if cycles > 0 and w[_GT_END] > w[_GT_START]:
+                rates.append(cycles / (w[_GT_END] - w[_GT_START]))  # cycles a ns
+    rate = statistics.median(rates)
+    for run in runs:
+        for w in run:
+            for k in range(1, len(TRACE_POINTS)):
+                if w[k]:
+                    per_point[k].append((w[k] - w[0]) / rate / 1e3)
+            if w[_MERGED]:
+                merged_after.append((w[len(TRACE_POINTS) - 1] - w[len(TRACE_POINTS) - 2]) / rate / 1e3)
+    rows = [[name, f"{statistics.median(v):.2f}", f"{min(v):.2f}", f"{max(v):.2f}", str(len(v))]
+            for name, v in zip(TRACE_POINTS, per_point, strict=True) if v]
+    print(f"TP{args.tp} B={args.batch} L={args.query_len} {args.layout} {config}; clock {rate:.3f} GHz")
+    print(format_table(["milestone", "us since CTA start (median)", "min", "max", "samples"], rows))
+    # a steady tile's phases (tiles 1 .. TRACE_TILES - 1): each milestone after the one before it
+    phases: dict[str, list[float]] = {step: [] for step in TRACE_TILE_STEPS}
+    for run in runs:
+        for w in run:
+            for u in range(1, TRACE_TILES):
+                at = [w[TRACE_POINTS.index(f"tile {u} {step}")] for step in TRACE_TILE_STEPS]
+                before = w[TRACE_POINTS.index(f"tile {u - 1} done")]
+                for step, prev, now in zip(TRACE_TILE_STEPS, [before, *at], at, strict=False):
+                    if now and prev:
+                        phases[step].append((now - prev) / rate / 1e3)
+    print(f"steady tile (tiles 1-{TRACE_TILES - 1}), us after the milestone before: "
+          + ", ".join(f"{step} {statistics.median(v):.3f}" for step, v in phases.items() if v))
+    merge = statistics.median(merged_after or [0.0])
+    print(f"kernel span (first CTA start to last end) {statistics.median(spans):.2f} us; CTA start spread "
+          f"{statistics.median(skews):.2f} us; merge (counted -> merged) {merge:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
