@@ -10,6 +10,7 @@ import os
 import random
 import re
 import struct
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -218,6 +219,7 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
         assert f"a cluster of {splits} CTAs" in (CuteBackend().strategy(problem, _hopper()) or "")
         assert launch.CuteWorkspace(problem, config, cpu).partial_out.shape[0] == 1  # no partials in global memory
         off = CuteBackend(kernel="wgmma", cluster=False).config_on(problem, _hopper())
+        assert launch.CuteWorkspace(problem, config, cpu)._ml.numel() == 2  # nor counters
         assert not wgmma_cluster(off) and launch.CuteWorkspace(problem, off, cpu).partial_out.shape[0] > 1
     for problem in (_fp8(16, tp8), _problem(16, geometry=tp4), _problem(16)):
         assert not CuteBackend(kernel="wgmma").config_on(problem, _hopper()).cluster
@@ -677,10 +679,13 @@ CLUSTER_VARIANTS = [(("fp8", "bf16", 16, False, True, 3, False, True), 2, False)
 def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str, q_kind: str, nc: int, final: bool,
                                                                       fused: bool, stages: int, vreg: bool,
                                                                       kreg: bool, tconv: bool, tokens: int,
-                                                                      cluster: int, trace: bool) -> None:
+                                                                      cluster: int, trace: bool, tmp_path: Path) -> None:
     """Every variant of the TMA + WGMMA kernel compiles for sm_90a on a machine without a GPU, with
     the host argument list `fastcall` packs (the GPU tests run it), and its shared memory is what
-    `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says."""
+    `config.wgmma_smem_bytes` (the backend's refusal of shapes that do not fit) says. In its PTX:
+    a cluster merge's two cluster barriers and one load of (m, l) and one of the row from each
+    split's shared memory for each vector a thread merges; the clock and timer reads only when
+    traced."""
     import cutlass.cute as cute
 
     from msa.backends.cute.kernel import compile_args
@@ -690,8 +695,13 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
     spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not (final or trace), nc, stages, fused, vreg=vreg,
                     wgs=wgs, kind=kind, kreg=kreg, tconv=tconv, tokens=tokens, cluster=cluster, trace=trace)
     host = build_sm90(spec)
-    fn = cute.compile(host, *compile_args(), options="--gpu-arch sm_90a")
+    fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
+    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == (2 if cluster else 0)
+    merged = -(-nc * 128 // 4 // (cluster * 128)) if cluster else 0  # vectors a thread merges
+    assert ptx.count("ld.shared::cluster.v2.f32") == ptx.count("ld.shared::cluster.v4.f32") == cluster * merged
+    assert ("%clock64" in ptx) == ("%globaltimer" in ptx) == trace
     q_bytes = 2 if kreg else Q_TERMS[q_kind]
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
                                                                   q_bytes, tconv, tokens) <= SM90_SMEM
