@@ -28,6 +28,7 @@ import msa
 from msa.backends.cute import CuteBackend
 from msa.backends.triton import TritonBackend
 from msa.bench.timing import Timer, copy_bandwidth
+from msa.cli.defaults import Q_DTYPES
 from msa.display import format_table
 from msa.problem import Geometry
 from msa.validation import check_decode_inputs
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--overlap", type=float, default=None,
                         help="share of each token's pages that are its predecessor's (query length > 1)")
     parser.add_argument("--tp", default="1", help="M3 tensor-parallel head layouts to time (1: 64/4 ... 8: 8/1)")
+    parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the timed steps' query dtype")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
     args = parser.parse_args()
@@ -135,7 +137,7 @@ def main() -> None:
     variants += [(f"cute {v}", json.loads(v)) for v in args.variant]
     cases = ((tp, *case) for tp in map(int, args.tp.split(","))
              for case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap,
-                                  geometry=msa.MINIMAX_M3_TP[tp]))
+                                  geometry=msa.MINIMAX_M3_TP[tp], q_dtype=getattr(torch, Q_DTYPES[args.q_dtype])))
     for tp, layout, batch, case in cases:
         n_bytes = case[0]
         backends = [*(() if args.no_triton else [("triton", TritonBackend())]),

@@ -17,17 +17,16 @@ import json
 import statistics
 from pathlib import Path
 
-import attrs
 import torch
 from bench_cute import TOLERANCE
 from m3_step import add_step_arguments, make_m3_step
 
 import msa
 from msa.backends.cute import CuteBackend
-from msa.backends.cute.config import wgmma_programs
-from msa.backends.cute.launch import compiled_kernel, launch_cute, spec_for
+from msa.backends.cute.launch import launch_cute, traced_kernel
 from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_TILE_STEPS, TRACE_TILES, TRACE_WORDS
 from msa.display import format_table
+from msa.errors import MSAInputError
 
 _GT_START, _GT_END, _CLOCK_END, _, _MERGED = range(len(TRACE_POINTS), len(TRACE_POINTS) + 5)
 
@@ -42,12 +41,10 @@ def main() -> None:
     backend = CuteBackend(**json.loads(args.variant))
     plan = backend.plan(problem, tables)
     config = plan.config
-    if config.kernel != "wgmma" or (config.num_splits > 1 and not config.fused):
-        raise SystemExit(f"trace_cute: the traced kernel is the wgmma one merging its own splits, not {config}")
-    spec = attrs.evolve(spec_for(problem, config, problem.out_dtype, False), trace=True)
-    index = torch.cuda.current_device()
-    traced = compiled_kernel(spec, torch.cuda.get_device_capability(index)).launcher(index)
-    ctas = wgmma_programs(problem, config.tokens) * config.num_splits
+    try:
+        traced, ctas = traced_kernel(problem, config)
+    except MSAInputError as exc:
+        raise SystemExit(f"trace_cute: {exc}") from None
     words = torch.zeros((ctas, TRACE_WORDS), dtype=torch.int64, device="cuda")
     out = torch.full(inputs.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")

@@ -71,12 +71,14 @@ def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: St
 
 
 def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator, query_len: int = 1,
-             overlap: float | None = None, geometry: msa.Geometry | None = None) -> Iterator[tuple[str, int, Any]]:
+             overlap: float | None = None, geometry: msa.Geometry | None = None,
+             q_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, int, Any]]:
     """(layout, batch, `prepare_case` of it) for M3 (TP1 unless `geometry` says otherwise) at 64K
-    contexts: one cache per layout (sized for the largest batch), freed before the next."""
+    contexts, queries of `q_dtype`: one cache per layout (sized for the largest batch), freed
+    before the next."""
     for layout in layouts:
         step = make_decode_step(geometry or msa.MINIMAX_M3, batch_size=max(batches), decode_query_len=query_len,
-                                context_len=65536, kv_cache_dtype=layout, device="cuda", seed=0)
+                                context_len=65536, kv_cache_dtype=layout, q_dtype=q_dtype, device="cuda", seed=0)
         for batch in batches:
             yield layout, batch, prepare_case(step, batch, gen, query_len, overlap)
         del step

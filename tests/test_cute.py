@@ -229,8 +229,14 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
     for splits in (1, 9):
         config = CuteBackend(kernel="wgmma", cluster=True, num_splits=splits).config_on(_fp8(16, tp4), _hopper())
         assert config.cluster and wgmma_cluster(config) == 0
-    unfused = CuteBackend(kernel="wgmma", cluster=True, fused=False).config_on(_fp8(16, tp4), _hopper())
-    assert wgmma_cluster(unfused) == 0
+    with pytest.raises(MSAInputError, match="cluster.*with fused=False"):
+        CuteBackend(kernel="wgmma", cluster=True, fused=False).config_on(_fp8(16, tp4), _hopper())
+    assert not CuteBackend(kernel="wgmma", cluster=False, fused=False).config_on(_fp8(16, tp4), _hopper()).cluster
+    for name in ("cluster", "fused"):  # the mma kernel's splits are merged by the Triton merge kernel
+        with pytest.raises(MSAInputError, match=f"{name}.*on the mma kernel"):
+            CuteBackend(kernel="mma", **{name: True}).config_on(_problem(16), _hopper())
+    mma = CuteBackend(kernel="mma", cluster=False, fused=False).config_on(_problem(16), _hopper())
+    assert not mma.fused and not wgmma_cluster(attrs.evolve(mma, cluster=True, fused=True, num_splits=2))
 
 
 def test_explain_says_which_kernel_and_how() -> None:
@@ -489,6 +495,23 @@ def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: s
 
 @pytest.mark.gpu
 @needs_wgmma
+@pytest.mark.parametrize(("kv_heads", "layout"), [(4, "fp8_e4m3"), (1, "fp8_e4m3"), (1, "nvfp4")])
+def test_the_default_cluster_shapes_merge_exactly(kv_heads: int, layout: str) -> None:
+    """The shapes that merge their splits as one cluster by default (fp8, 16-head CTAs: M3 TP1
+    B = 16, two splits of two warpgroups; TP4 B = 16, eight splits of one), and NVFP4 TP4 B = 16
+    asked for a cluster, on hostile M3-like steps with NaN in every unread byte, against the
+    float64 loop with fresh data each run (the fuzzed test reaches these shapes only by chance)."""
+    params = {"layout": layout, "batch": 16, "query_len": 1, "num_kv_heads": kv_heads, "group": 16,
+              "head_dim": 128, "page_size": 128, "topk": 16, "max_blocks": 20, "ragged": False, "token_major": False,
+              "tensor_scales": False, "table_pad": 1, "q_fp8": False}
+    hostile = make_hostile(params, random.randrange(2**31))
+    backend = CuteBackend(kernel="wgmma", cluster=True if layout == "nvfp4" else None)
+    config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma default cluster [{hostile}]")
+    assert wgmma_cluster(config) == config.num_splits >= 2, config
+
+
+@pytest.mark.gpu
+@needs_wgmma
 @pytest.mark.parametrize("cluster", [False, True])
 def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(cluster: bool) -> None:
     """`Sm90Spec.trace` (benchmarks/trace_cute.py): every CTA writes each milestone's clock, in
@@ -501,11 +524,10 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(cl
     problem, inputs = check_decode_inputs(**step.kwargs())
     plan = CuteBackend(kernel="wgmma", cluster=cluster, num_splits=4).plan(problem,
                                                                             StepTables.for_inputs(problem, inputs))
-    spec = attrs.evolve(launch.spec_for(problem, plan.config, problem.out_dtype, False), trace=True)
-    index = torch.cuda.current_device()
-    traced = launch.compiled_kernel(spec, torch.cuda.get_device_capability(index)).launcher(index)
+    traced, ctas = launch.traced_kernel(problem, plan.config)
     programs = wgmma_programs(problem)
-    words = torch.zeros((programs * 4, TRACE_WORDS), dtype=torch.int64, device="cuda")
+    assert ctas == programs * 4
+    words = torch.zeros((ctas, TRACE_WORDS), dtype=torch.int64, device="cuda")
     out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     launch.launch_cute(problem, inputs, plan.rows, out, words, plan.config, plan.workspace, {True: traced})
     want = msa.sparse_decode(**step.kwargs(), backend="reference")
@@ -718,13 +740,15 @@ def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
 @needs_dsl
 @pytest.mark.parametrize(("fused", "cluster", "write_lse", "trace", "why"),
                          [(False, 2, False, False, "fused merge of 2 .. 8"), (True, 9, False, False, "2 .. 8"),
+                          (True, 2, None, False, "not final"),
                           (True, 1, False, False, "2 .. 8"), (True, 0, True, True, "where the LSE would go")])
 def test_the_wgmma_kernel_refuses_clusters_it_cannot_merge_and_a_trace_beside_the_lse(
-        fused: bool, cluster: int, write_lse: bool, trace: bool, why: str) -> None:
+        fused: bool, cluster: int, write_lse: bool | None, trace: bool, why: str) -> None:
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
+    final = write_lse is None  # (one split: nothing to merge)
     with pytest.raises(ValueError, match=why):
-        build_sm90(Sm90Spec(128, "bf16", "bf16", False, write_lse, fused=fused, cluster=cluster, trace=trace))
+        build_sm90(Sm90Spec(128, "bf16", "bf16", final, bool(write_lse), fused=fused, cluster=cluster, trace=trace))
 
 
 @needs_dsl

@@ -57,6 +57,7 @@ class BenchConfig:
     strategies: tuple[str, ...] = ("auto",)
     kv_forms: tuple[str, ...] = ("packed",)
     integrations: tuple[str, ...] = ()
+    q_dtype: str = "bfloat16"
 
 
 def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:
@@ -165,10 +166,11 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
         geometry = MINIMAX_M3_TP[tp]
         step = make_decode_step(
             geometry, batch_size=max(config.batches), context_len=config.context, kv_cache_dtype=layout,
-            device="cuda", seed=config.seed,
+            q_dtype=getattr(torch, config.q_dtype), device="cuda", seed=config.seed,
         )
         cache_gib = cache_nbytes(step.kv_cache) / 2**30
-        print(f"[{n_case}/{len(cases)}] {layout} TP{tp}: cache {cache_gib:.1f} GiB", file=log, flush=True)
+        print(f"[{n_case}/{len(cases)}] {layout} TP{tp}: cache {cache_gib:.1f} GiB, q {config.q_dtype}", file=log,
+              flush=True)
         forms = [f for f in config.kv_forms if f == "packed" or step.layout.separable]
         shapes = itertools.product(config.batches, config.query_lens, config.overlaps, forms)
         for batch, length, overlap, form in shapes:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from msa.cli.args import Subparsers, bench_file, floats, names, positive_int, positive_ints
+from msa.cli.defaults import Q_DTYPES
 from msa.errors import MSAInputError
 
 __all__ = ["add_parser", "run"]
@@ -33,6 +34,8 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="engine drop-ins to time as well: sglang-dropin (comma list)")
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
+    p.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16",
+                   help="query dtype (default %(default)s; fp8: e4m3 with a q_scale, the fp8 product it asks for)")
     p.add_argument("--backends", type=names, default=("triton",),
                    help="msa backends to time (comma list; default: triton)")
     p.add_argument("--baselines", type=names, default=("torch",),
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.context, backends=args.backends, baselines=args.baselines,
         baseline_max_batch=args.baseline_max_batch, graph=not args.no_graph,
         same_tokens=args.same_tokens, reps=args.reps, overlaps=args.overlap, strategies=args.strategies,
-        kv_forms=args.kv_forms, integrations=args.integrations,
+        kv_forms=args.kv_forms, integrations=args.integrations, q_dtype=Q_DTYPES[args.q_dtype],
     )
     if args.eager:
         from msa.bench.eager import eager_table, run_eager

@@ -238,11 +238,16 @@ class CuteBackend(Backend[CutePlan]):
                 splits = shape.num_splits
             else:  # a shape of the caller's: splits that fill its CTA slots once
                 splits = choose_wgmma_splits(problem, sm_count, stages, wgs, vreg, tokens)
-            return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma",
-                              fused=WGMMA_FUSED_MERGE if self.fused is None else self.fused,
+            fused = WGMMA_FUSED_MERGE if self.fused is None else self.fused
+            _check_option("cluster", self.cluster, "False (or None) with fused=False: a cluster is the kernel's own "
+                          "merge of the splits", fused or not self.cluster)
+            return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma", fused=fused,
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens) if self.cluster is None
                               else self.cluster)
+        for name, value in (("fused", self.fused), ("cluster", self.cluster)):
+            _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
+                          "kernel; kernel='wgmma' merges them itself)", not value)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "

@@ -82,8 +82,8 @@ WGMMA_FP8_KREG = True
 #: 64K, same-run A/B (benchmarks/bench_cute.py, 2026-12-04, session 19): TP8 B = 16 / 64 12.9 /
 #: 20.7 us against `tconv`'s 13.5 / 21.4 (`trace_cute.py`: a tile's keys 0.09 us against 0.41).
 WGMMA_VREG_HEADS = 8
-#: The fewest query heads of a CTA whose fp8 keys `_union_shape` converts on the tensor cores
-#: (32 columns: ptxas serialises the products of its other shapes).
+#: The query heads of a CTA (exactly this many, at 32 columns a program) whose fp8 keys
+#: `_union_shape` converts on the tensor cores (ptxas serialises the products of its other shapes).
 WGMMA_TCONV_HEADS = 8
 #: The wgmma kernel merges its splits itself (the last split of a program to finish).
 WGMMA_FUSED_MERGE = True
@@ -154,9 +154,11 @@ class CuteConfig:
 
 def wgmma_cluster(config: CuteConfig) -> int:
     """CTAs of the cluster a wgmma program's splits form (its split count where `config.cluster`
-    merges them through distributed shared memory), or 0."""
+    merges them through distributed shared memory: the wgmma kernel's fused merge of 2 ..
+    `WGMMA_MAX_CLUSTER` splits), or 0."""
     splits = config.num_splits
-    return splits if config.cluster and config.fused and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
+    wgmma = config.kernel == "wgmma" and config.fused
+    return splits if config.cluster and wgmma and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
 
 
 def wgmma_cluster_default(problem: DecodeProblem, tokens: int = 1) -> bool:

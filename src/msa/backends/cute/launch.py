@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import attrs
 import torch
 
 from msa.backends.cute.config import (
@@ -32,7 +33,7 @@ from msa.planning import RowMetadata
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs, vector_misalignment
 
-__all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_for"]
+__all__ = ["CuteWorkspace", "compiled_kernel", "launch_cute", "prepare", "spec_for", "traced_kernel"]
 
 _OUT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -67,7 +68,7 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
                         with_lse and (config.num_splits == 1 or fused), wgmma_heads(g.group_size) * config.tokens,
                         config.stages, fused, config.lag, config.min_ctas, config.wgs, config.vreg,
                         WGMMA_KINDS[problem.kv_layout], config.kreg, config.tconv, config.tokens,
-                        wgmma_cluster(config) if fused else 0)
+                        wgmma_cluster(config))
     from msa.backends.cute.kernel import KernelSpec
 
     return KernelSpec(KINDS[problem.kv_layout], g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],
@@ -85,6 +86,19 @@ def prepare(problem: DecodeProblem, config: CuteConfig, device: torch.device) ->
         capability = torch.cuda.get_device_capability(index)
         return {with_lse: compiled_kernel(spec_for(problem, config, problem.out_dtype, with_lse), capability)
                 .launcher(index) for with_lse in (False, True)}
+
+
+def traced_kernel(problem: DecodeProblem, config: CuteConfig) -> tuple[Any, int]:
+    """The wgmma kernel of a step compiled with `Sm90Spec.trace` (profiling,
+    benchmarks/trace_cute.py), for the current GPU, and the CTAs it launches: pass it to
+    `launch_cute` as `{True: kernel}` with an int64 `[ctas, sm90.TRACE_WORDS]` tensor as `lse`,
+    where each CTA writes its milestones' clocks instead of an LSE."""
+    if config.kernel != "wgmma" or (config.num_splits > 1 and not config.fused):
+        raise MSAInputError("config", "the wgmma kernel merging its own splits (the traced kernel)", repr(config))
+    spec = attrs.evolve(spec_for(problem, config, problem.out_dtype, False), trace=True)
+    index = torch.cuda.current_device()
+    kernel = compiled_kernel(spec, torch.cuda.get_device_capability(index)).launcher(index)
+    return kernel, wgmma_programs(problem, config.tokens) * config.num_splits
 
 
 def compiled_kernel(spec: Any, capability: tuple[int, int]) -> PackedCall:

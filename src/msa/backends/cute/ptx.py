@@ -455,14 +455,16 @@ def ld_cluster_f32s(addr: Any, pred: Any, n: int) -> list[Float32]:
 
 # -- profiling (`Sm90Spec.trace`) -------------------------------------------------------------
 
-def clock64() -> Int64:
-    """The SM's cycle counter (`%clock64`; comparable within one CTA)."""
-    return Int64(_asm(1, T.i64, "mov.u64 $0, %clock64;", "=l", side=True)[0])
-
-
 def globaltimer() -> Int64:
     """The GPU's nanosecond timer (`%globaltimer`; comparable across SMs, coarser than the clock)."""
     return Int64(_asm(1, T.i64, "mov.u64 $0, %globaltimer;", "=l", side=True)[0])
+
+
+def st_clock64(addr: Any, pred: Any) -> None:
+    """Store the SM's cycle counter (`%clock64`: comparable within one CTA; 8 bytes), read only when
+    `pred` is not 0."""
+    _asm(1, T.i32, "{.reg .pred p; .reg .u64 c; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p mov.u64 c, %clock64;"
+         " @p st.global.u64 [$1], c;}", "=r,l,r", addr, pred, side=True)
 
 
 def st_u64(addr: Any, value: Any, pred: Any) -> None:

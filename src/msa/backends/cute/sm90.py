@@ -213,6 +213,36 @@ def _load_split(ms: Any, ls: Any, part: Any, i: int, ml_addr: Any, o_addr: Any, 
             part[4 * k4 + k, i] = vals[k]
 
 
+def _fold_splits(m_top: Any, l_top: Any, acc: Any, ms: Any, ls: Any, parts: Any, n: int, cw: int,
+                 running: bool) -> tuple[Any, Any]:
+    """Fold `n` splits' states (maxima `ms[i]`, sums `ls[i]`, partial rows `parts(i, k)`, `cw`
+    floats) into the merged state so far (`m_top`, `l_top`, the row `acc`, updated in place),
+    each weighed by 2^(its maximum - the new one) (a split with nothing visible: m = -inf,
+    weight 0); with `running`, what is summed so far is rescaled to the new maximum first
+    (without, it must be empty). Returns the new (maximum, sum)."""
+    m_new = m_top
+    for i in range(n):  # (traced: a helper's loops are plain Python)
+        m_new = ptx.fmax(m_new, ms[i])
+    m_ok = ptx.safe(m_new)
+    if running:
+        keep = cute.arch.exp2(m_top - m_ok)
+        l_top = l_top * keep
+        for k in range(cw):
+            acc[k] = acc[k] * keep
+    for i in range(n):
+        w_s = cute.arch.exp2(ms[i] - m_ok)
+        l_top = l_top + ls[i] * w_s
+        for k in range(cw):
+            acc[k] = acc[k] + parts(i, k) * w_s
+    return m_new, l_top
+
+
+def _store_row(at: Any, vals: Any, n: int, inv: Any, kind: str, pred: Any) -> None:
+    """`n` floats of an output row (`vals` times `inv`) as bf16 / f16 pairs at `at` where `pred` is 1."""
+    for k in range(n // 2):
+        ptx.st_b32(at + 4 * k, ptx.pack_out(vals[2 * k] * inv, vals[2 * k + 1] * inv, kind), pred)
+
+
 def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
     """The thread's weights `pk` (f32) into the f16 weight tile, converted two at a time."""
     half = cute.make_rmem_tensor(cute.make_layout(ns), cutlass.Float16)
@@ -222,15 +252,19 @@ def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
 
 
 def _mark(on: bool, at: Any, pred: Any, point: Any, value: Any = None) -> None:
-    """`Sm90Spec.trace`: word `point` of the CTA's trace at `at` := the SM clock (or `value`), by
-    the thread whose `pred` is 1 (nothing unless `on`)."""
+    """`Sm90Spec.trace`: word `point` of the CTA's trace at `at` := the SM clock (read only where
+    `pred` is 1) or `value`, by the thread whose `pred` is 1 (nothing unless `on`)."""
+    if on and value is None:
+        ptx.st_clock64(at + 8 * point, pred)
+    elif on:
+        ptx.st_u64(at + 8 * point, value, pred)
+
+
+def _mark_tile(on: bool, at: Any, pred: Any, u: Any, step: str) -> None:
+    """`_mark` of tile `u`'s milestone `step` (`TRACE_TILE_STEPS`), for the first `TRACE_TILES`
+    tiles (nothing unless `on`)."""
     if on:
-        ptx.st_u64(at + 8 * point, ptx.clock64() if value is None else value, pred)
-
-
-def _tile_point(u: Any, step: str) -> Any:
-    """The trace word of tile `u`'s milestone `step` (`TRACE_TILE_STEPS`)."""
-    return 3 + len(TRACE_TILE_STEPS) * u + TRACE_TILE_STEPS.index(step)
+        _mark(on, at, pred * _flag(u < TRACE_TILES), 3 + len(TRACE_TILE_STEPS) * u + TRACE_TILE_STEPS.index(step))
 
 
 def _split_tiles(total: Any, split: Any, num_splits: Any, wg: int | Any, wgs: int) -> tuple[Any, Any]:
@@ -264,8 +298,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     if NVFP4 and not spec.vreg:
         raise ValueError("the NVFP4 kernel decodes the values into registers (vreg)")
     CL = spec.cluster
-    if CL and not (spec.fused and 2 <= CL <= WGMMA_MAX_CLUSTER):
-        raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits")
+    if CL and not (spec.fused and not spec.final and 2 <= CL <= WGMMA_MAX_CLUSTER):
+        raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits (not final)")
     if spec.trace and spec.write_lse:
         raise ValueError("trace writes its clocks where the LSE would go")
     if spec.stages < 2 or spec.wgs not in (1, 2):
@@ -696,9 +730,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
                     _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu])
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
-            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                if u < TRACE_TILES:
-                    _mark(TRACE, trace_at, tracer, _tile_point(u, "copied"))
+            _mark_tile(TRACE, trace_at, tracer, u, "copied")
             vis = tile_vis[t0 + WGS * u]
             if cutlass.const_expr(T > 1):
                 tvis = tile_tvis[t0 + WGS * u]
@@ -739,9 +771,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         tSrK32[hh + 2, 0, j] = pair[1]
 
             # scores: S^T = K . (sum of the q terms)^T
-            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                if u < TRACE_TILES:
-                    _mark(TRACE, trace_at, tracer, _tile_point(u, "keys"))
+            _mark_tile(TRACE, trace_at, tracer, u, "keys")
             warpgroup.fence()
             if cutlass.const_expr(KREG and not TCONV):
                 # the last tile's values (zeros before the first): issued here, after this tile's key
@@ -784,9 +814,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
-                if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                    if u < TRACE_TILES:
-                        _mark(TRACE, trace_at, tracer, _tile_point(u, "scores"))
+                _mark_tile(TRACE, trace_at, tracer, u, "scores")
                 for kk in cutlass.range_constexpr(4):
                     for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
                         # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
@@ -810,9 +838,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 for c in cutlass.range_constexpr(NCV):
                     cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
-                if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                    if u < TRACE_TILES:
-                        _mark(TRACE, trace_at, tracer, _tile_point(u, "scores"))
+                _mark_tile(TRACE, trace_at, tracer, u, "scores")
 
                 vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
                 for c in cutlass.range_constexpr(NCV):
@@ -874,9 +900,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         colmax[wwarp, buf + tScS[e][1]] = m
                 if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
-                    if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                        if u < TRACE_TILES:
-                            _mark(TRACE, trace_at, tracer, _tile_point(u, "maxima"))
+                    _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                     for ci in cutlass.range_constexpr(NCOL):
                         mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                 else:
@@ -903,14 +927,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         _wg_barrier(wg, WGS)
                 else:
                     _wg_barrier(wg, WGS)
-                    if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                        if u < TRACE_TILES:
-                            _mark(TRACE, trace_at, tracer, _tile_point(u, "weights"))
+                    _mark_tile(TRACE, trace_at, tracer, u, "weights")
             if wtid == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
-            if cutlass.const_expr(TRACE):  # noqa: SIM102 - a compile-time condition, then a run-time one
-                if u < TRACE_TILES:
-                    _mark(TRACE, trace_at, tracer, _tile_point(u, "done"))
+            _mark_tile(TRACE, trace_at, tracer, u, "done")
             moved = Int32(0)
             for ci in cutlass.range_constexpr(NCOL):
                 e = 4 * (ci // 2) + ci % 2
@@ -1001,10 +1021,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         ro = r0 + row // GC  # the column's query row
         if cutlass.const_expr(final):
             inv = ptx.inv_or_zero(l_all, vs * v_fix)
-            base = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
-            for k in cutlass.range_constexpr(CW // 2):
-                ptx.st_b32(base + 4 * k, ptx.pack_out(ov[2 * k] * inv, ov[2 * k + 1] * inv,
-                                                      out_kind), row_ok)
+            _store_row(out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2, ov, CW, inv, out_kind, row_ok)
             if cutlass.const_expr(write_lse):
                 ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
                            row_ok * _flag(c0 == 0))
@@ -1037,22 +1054,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     mls.append(ptx.ld_cluster_f32s(ptx.mapa(so_at + (vrow * OROW + D) * 4, k), v_ok, 2))
                     parts_c.append(ptx.ld_cluster_f32s(ptx.mapa(so_at + (vrow * OROW + vc) * 4, k), v_ok,
                                                        _CLUSTER_VEC))
-                m_top = Float32(_NEG_INF)
-                for k in cutlass.range_constexpr(CL):
-                    m_top = ptx.fmax(m_top, mls[k][0])
-                m_ok = ptx.safe(m_top)
-                l_top = Float32(0.0)
                 acc = [Float32(0.0)] * _CLUSTER_VEC
-                for k in cutlass.range_constexpr(CL):
-                    w_s = cute.arch.exp2(mls[k][0] - m_ok)  # (a split with nothing visible: 0)
-                    l_top = l_top + mls[k][1] * w_s
-                    acc = [acc[i] + parts_c[k][i] * w_s for i in range(_CLUSTER_VEC)]
+                m_top, l_top = _fold_splits(Float32(_NEG_INF), Float32(0.0), acc, [ml[0] for ml in mls],
+                                            [ml[1] for ml in mls], lambda i, k, p=parts_c: p[i][k], CL, _CLUSTER_VEC,
+                                            running=False)
                 inv = ptx.inv_or_zero(l_top, vs * v_fix)
                 v_qh = Int64(h * group + gc * NC + vrow % GC)
                 v_ro = r0 + vrow // GC
-                obase = out + (Int64(v_ro) * stride_or + v_qh * stride_oh + vc) * 2
-                for k in cutlass.range_constexpr(_CLUSTER_VEC // 2):
-                    ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind), v_ok)
+                _store_row(out + (Int64(v_ro) * stride_or + v_qh * stride_oh + vc) * 2, acc, _CLUSTER_VEC, inv,
+                           out_kind, v_ok)
                 if cutlass.const_expr(write_lse):
                     ptx.st_f32(lse + (Int64(v_ro) * stride_lr + v_qh * stride_lh) * 4, ptx.lse(m_top, l_top),
                                v_ok * _flag(vc == 0))
@@ -1103,25 +1113,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                 s_ok = row_ok * _flag(s_i < num_splits)
                                 _load_split(ms, ls, parts, i, part_ml + (prow0 + Int64(s_i)) * 8,
                                             part_o + ((prow0 + Int64(s_i)) * D + c0) * 4, s_ok, CW)
-                            m_new = m_top
-                            for i in cutlass.range_constexpr(MERGE):
-                                m_new = ptx.fmax(m_new, ms[i])
-                            m_ok = ptx.safe(m_new)
-                            keep = cute.arch.exp2(m_top - m_ok)
-                            l_top = l_top * keep
-                            for k in cutlass.range_constexpr(CW):
-                                acc[k] = acc[k] * keep
-                            for i in cutlass.range_constexpr(MERGE):
-                                w_s = cute.arch.exp2(ms[i] - m_ok)
-                                l_top = l_top + ls[i] * w_s
-                                for k in cutlass.range_constexpr(CW):
-                                    acc[k] = acc[k] + parts[k, i] * w_s
-                            m_top = m_new
+                            m_top, l_top = _fold_splits(m_top, l_top, acc, ms, ls, lambda i, k: parts[k, i], MERGE,
+                                                        CW, running=True)
                         inv = ptx.inv_or_zero(l_top, vs)
-                        obase = out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2
-                        for k in cutlass.range_constexpr(CW // 2):
-                            ptx.st_b32(obase + 4 * k, ptx.pack_out(acc[2 * k] * inv, acc[2 * k + 1] * inv, out_kind),
-                                       row_ok)
+                        _store_row(out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2, acc, CW, inv, out_kind,
+                                   row_ok)
                         if cutlass.const_expr(write_lse):
                             ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
                                        row_ok * _flag(c0 == 0))
