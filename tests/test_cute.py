@@ -204,6 +204,12 @@ def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: Wgmm
     config = CuteBackend(kernel="wgmma").config_for(_fp8(batch, msa.MINIMAX_M3_TP[tp]), torch.device("cpu"))
     assert config.kernel == "wgmma"
     assert choose_wgmma_shape(_problem(batch, geometry=msa.MINIMAX_M3_TP[tp]), 132) == nvfp4
+    # an fp8 query takes the fp8 product it asks for (the keys straight from shared memory), fp8 or NVFP4 cache alike
+    q8 = attrs.evolve(_fp8(batch, msa.MINIMAX_M3_TP[tp]), q_dtype=torch.float8_e4m3fn)
+    assert choose_wgmma_shape(q8, 132) == attrs.evolve(expected, kreg=False)
+    assert not CuteBackend(kernel="wgmma").config_on(q8, _hopper()).kreg
+    assert CuteBackend(kernel="wgmma", kreg=True).config_on(q8, _hopper()).kreg
+    assert choose_wgmma_shape(attrs.evolve(q8, kv_layout="nvfp4"), 132) == nvfp4
 
 
 def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
@@ -223,6 +229,12 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
         assert not wgmma_cluster(off) and launch.CuteWorkspace(problem, off, cpu).partial_out.shape[0] > 1
     for problem in (_fp8(16, tp8), _problem(16, geometry=tp4), _problem(16)):
         assert not CuteBackend(kernel="wgmma").config_on(problem, _hopper()).cluster
+    # four splits of two-warpgroup CTAs (32 programs) measured slower as clusters, two faster
+    for problem, splits, cluster in ((_fp8(8), 4, False), (_fp8(16, msa.MINIMAX_M3_TP[2]), 4, False),
+                                     (_fp8(16), 2, True)):
+        config = CuteBackend(kernel="wgmma").config_on(problem, _hopper())
+        assert (config.wgs, config.num_splits, config.cluster) == (2, splits, cluster)
+        assert CuteBackend(kernel="wgmma", cluster=True).config_on(problem, _hopper()).cluster
     assert not CuteBackend(kernel="wgmma", tokens=2).config_on(_fp8(16, tp1, 2), _hopper()).cluster
     asked = CuteBackend(kernel="wgmma", cluster=True).config_on(_problem(16, geometry=tp8), _hopper())
     assert wgmma_cluster(asked) == asked.num_splits == 8
@@ -252,11 +264,12 @@ def test_explain_says_which_kernel_and_how() -> None:
 
 
 @pytest.mark.parametrize(("layout", "tp", "batch", "chosen"), [
-    ("fp8_e4m3", 1, 64, True), ("fp8_e4m3", 1, 8, True), ("fp8_e4m3", 1, 4, False), ("fp8_e4m3", 4, 16, False),
+    ("fp8_e4m3", 1, 64, True), ("fp8_e4m3", 1, 8, True), ("fp8_e4m3", 1, 2, True), ("fp8_e4m3", 1, 1, False),
+    ("fp8_e4m3", 4, 16, True), ("fp8_e4m3", 4, 8, True), ("fp8_e4m3", 4, 4, False), ("fp8_e4m3", 2, 4, True),
     ("fp8_e4m3", 8, 16, True), ("fp8_e4m3", 8, 8, False), ("nvfp4", 8, 16, True), ("nvfp4", 8, 8, False),
     ("nvfp4", 4, 16, True), ("nvfp4", 4, 8, False), ("nvfp4", 1, 4, True), ("nvfp4", 1, 2, False)])
-def test_auto_takes_the_wgmma_kernel_from_16_programs_or_fp8_32_of_16_heads(layout: str, tp: int, batch: int,
-                                                                           chosen: bool) -> None:
+def test_auto_takes_the_wgmma_kernel_from_16_programs_or_fp8_8_of_16_heads(layout: str, tp: int, batch: int,
+                                                                          chosen: bool) -> None:
     problem = attrs.evolve(_problem(batch, geometry=msa.MINIMAX_M3_TP[tp]), kv_layout=layout)
     reasons = CuteBackend().extra_reasons(problem, _hopper())
     assert (not any("programs" in r for r in reasons)) == chosen

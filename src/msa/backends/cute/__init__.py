@@ -243,8 +243,8 @@ class CuteBackend(Backend[CutePlan]):
                           "merge of the splits", fused or not self.cluster)
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma", fused=fused,
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
-                              tokens=tokens, cluster=wgmma_cluster_default(problem, tokens) if self.cluster is None
-                              else self.cluster)
+                              tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
+                              if self.cluster is None else self.cluster)
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):
             _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
                           "kernel; kernel='wgmma' merges them itself)", not value)

@@ -18,7 +18,7 @@ __all__ = [
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
-    "WGMMA_VREG_HEADS", "wgmma_cluster_default",
+    "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -74,7 +74,8 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: output against the float64 oracle (f16 q: 1.24e-3 where the f16 product holds 2.7e-4, as
 #: Triton does; bf16 q: 1.99e-3 against 1.68e-3) and is 0-2% faster there (TP1 B = 16 / 64:
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
-#: Wider steps keep the fp8 product (`choose_wgmma_shape`). `kreg` asks for either.
+#: Wider steps keep the fp8 product (`choose_wgmma_shape`), and so do fp8 queries (`_fp8_kreg`).
+#: `kreg` asks for either.
 WGMMA_FP8_KREG = True
 #: fp8 steps below one wave with CTAs of this many query heads (TP8) take their values into
 #: registers (`vreg`) with the keys decoded into f16 registers, not converted on the tensor cores
@@ -95,6 +96,12 @@ WGMMA_FUSED_MERGE = True
 #: 64 13.5 / 13.8, 21.8 / 21.5; NVFP4 TP8 B = 16 / 64 12.9 / 12.4, 19.2 / 17.8; NVFP4 TP1 B = 16
 #: 21.9 / 20.6; NVFP4 TP4 B = 16 13.9 / 14.4).
 WGMMA_CLUSTER_MERGE = frozenset({("fp8", 16)})
+#: The most splits of two-warpgroup CTAs merged as one cluster by default. Clusters of four such
+#: CTAs (one an SM) leave part of the step to a second wave: H200, M3 fp8 at 64K, 32 programs of
+#: 16 heads (TP1 B = 8, TP2 B = 16), 4 splits, same run (2026-12-04, session 20,
+#: `bench_cute.py --variant '{"cluster":false}'`): 24.5 / 24.7 us as clusters against 17.7 /
+#: 17.7 without (Triton 21.5); two such splits still gain (TP1 B = 16: 22.1 against 22.8).
+WGMMA_CLUSTER_MAX_WIDE = 2
 #: The most splits such a cluster holds (the portable cluster size).
 WGMMA_MAX_CLUSTER = 8
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
@@ -161,10 +168,12 @@ def wgmma_cluster(config: CuteConfig) -> int:
     return splits if config.cluster and wgmma and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
 
 
-def wgmma_cluster_default(problem: DecodeProblem, tokens: int = 1) -> bool:
-    """Whether a wgmma step merges its fused splits in a cluster unless asked (`WGMMA_CLUSTER_MERGE`)."""
+def wgmma_cluster_default(problem: DecodeProblem, tokens: int = 1, wgs: int = 1, splits: int = 2) -> bool:
+    """Whether a wgmma step of `splits` fused splits of `wgs` warpgroups merges them in a cluster
+    unless asked (`WGMMA_CLUSTER_MERGE`, `WGMMA_CLUSTER_MAX_WIDE`)."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
-    return tokens == 1 and (kind, wgmma_heads(problem.geometry.group_size)) in WGMMA_CLUSTER_MERGE
+    wide_ok = wgs == 1 or splits <= WGMMA_CLUSTER_MAX_WIDE
+    return tokens == 1 and wide_ok and (kind, wgmma_heads(problem.geometry.group_size)) in WGMMA_CLUSTER_MERGE
 
 
 def max_stages(kind: str) -> int:
@@ -291,13 +300,15 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp
 
 #: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel
 #: where the wgmma kernel would take them (fp8 and NVFP4 on Hopper), by cache kind and the query
-#: heads a CTA takes (`wgmma_heads`). H200, M3 at 64K, graph replays (2026-12-02, session 10,
-#: benchmarks/RESULTS.md): 8-head CTAs (TP8) win from 16 programs (B = 16: fp8 14.4 us against
-#: Triton's 15.0, NVFP4 13.8 against 14.9; B = 8, 8 programs: 13.2 / 13.1 against 12.8 / 13.0);
-#: 16-head fp8 CTAs from 32 (TP1 B = 8: 19.2 against 21.5; TP4 B = 16, 16 programs: 17.1
-#: against 15.8; TP1 B = 1: 15.1 against 12.2), 16-head NVFP4 ones from 16 (TP4 B = 16: 15.4
-#: against 16.8; TP4 B = 8: 15.0 against 13.5).
-WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 32, ("nvfp4", 8): 16, ("nvfp4", 16): 16}
+#: heads a CTA takes (`wgmma_heads`). H200, M3 at 64K, graph replays against Triton's, same run:
+#: 8-head CTAs (TP8) win from 16 programs (2026-12-02, session 10: B = 16: fp8 14.4 us against
+#: 15.0, NVFP4 13.8 against 14.9; B = 8, 8 programs: 13.2 / 13.1 against 12.8 / 13.0); 16-head
+#: NVFP4 ones from 16 (TP4 B = 16: 15.4 against 16.8; TP4 B = 8: 15.0 against 13.5); 16-head
+#: fp8 ones, since their splits merge as one cluster, from 8 (2026-12-04, session 20, `msa
+#: bench --backends triton,cute`: TP2 B = 4 12.4 against 13.1, TP4 B = 8 12.5 against 13.1,
+#: TP1 B = 4 (16 programs) 14.4 against 15.5, TP4 B = 16 14.3 against 15.3; at 4 about level:
+#: TP4 B = 4 12.0 against 12.3, TP1 B = 1 11.8 against 11.7 in session 19).
+WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("nvfp4", 16): 16}
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
@@ -344,12 +355,25 @@ def _wave_walk(programs: int, sm_count: int, tiles: int) -> tuple[int, int]:
     return max(1, min(2 * sm_count // programs, tiles // _WGMMA_MIN_TILES)), 3
 
 
+def _keys_in_registers(problem: DecodeProblem) -> bool:
+    """Whether the wgmma kernel decodes a step's keys into f16 registers by default (below 3 CTAs
+    per SM: `choose_wgmma_shape`): always for NVFP4; for fp8 (`WGMMA_FP8_KREG`) with a bf16 or
+    f16 query, whose exact product it is, but not with an fp8 query, whose product of the fp8
+    keys with its one fp8 term is what the caller asked for and measured faster (H200, M3 fp8 at
+    64K, fp8 q, same run, 2026-12-04 session 20, `bench_cute.py --q-dtype fp8`: TP1 B = 1 / 16
+    / 64 / 256 11.4 / 21.6 / 48.7 / 140.2 us against 11.9 / 22.1 / 49.9 / 141.0; TP8 10.6 /
+    12.9 / 20.8 / 47.6 against 11.0 / 13.1 / 21.2 / 48.4)."""
+    if problem.kv_layout == "nvfp4":
+        return True
+    return WGMMA_FP8_KREG and Q_KINDS.get(problem.q_dtype) != "e4m3"
+
+
 def _union_shape(problem: DecodeProblem, sm_count: int, tokens: int) -> WgmmaShape:
     """The walk of `tokens` rows a program: one warpgroup (`_wave_walk`, the union counted at half
     its pages shared), values in registers for NVFP4, keys in f16 registers (fp8: converted on the
     tensor cores at 4 tokens of 8 heads; ptxas serialises the products of its other shapes)."""
     nvfp4 = problem.kv_layout == "nvfp4"
-    kreg = nvfp4 or WGMMA_FP8_KREG
+    kreg = _keys_in_registers(problem)
     heads = wgmma_heads(problem.geometry.group_size)
     tconv = not nvfp4 and kreg and heads == WGMMA_TCONV_HEADS and tokens * heads == WGMMA_TOKEN_COLUMNS
     splits, stages = _wave_walk(max(wgmma_programs(problem, tokens), 1), sm_count,
@@ -385,7 +409,7 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
         return _union_shape(problem, sm_count, tokens)
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
-    kreg = nvfp4 or WGMMA_FP8_KREG
+    kreg = _keys_in_registers(problem)
     tiles = wgmma_tiles(problem)
     splits, stages = _wave_walk(programs, sm_count, tiles)
     if programs > 3 * sm_count:
