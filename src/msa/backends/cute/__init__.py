@@ -13,7 +13,7 @@ natural-log LSE. Two kernels:
   registers). The default wherever it serves.
 
 `auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV
-head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 32 of
+head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of
 16-head ones, NVFP4 16), for the other NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs and
 for no other fp8 step, eager or captured in CUDA graphs alike (launches pack their own arguments:
 `fastcall`), except NVFP4 multi-token steps the Triton dedup kernel serves (the wgmma kernel
