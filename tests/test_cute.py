@@ -525,20 +525,23 @@ def test_the_default_cluster_shapes_merge_exactly(kv_heads: int, layout: str) ->
 
 @pytest.mark.gpu
 @needs_wgmma
-@pytest.mark.parametrize("cluster", [False, True])
-def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(cluster: bool) -> None:
+@pytest.mark.parametrize("options", [{"cluster": False}, {"cluster": True}, {"lag": True}, {"tokens": 2}])
+def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(options: dict[str, Any]) -> None:
     """`Sm90Spec.trace` (benchmarks/trace_cute.py): every CTA writes each milestone's clock, in
-    order, its tile count and the global timer at its start and end; the CTAs that merged say so
-    (with `cluster` all of a program's splits, else its last); the output is the reference's."""
+    order (the walks of `lag` and of several rows a program too), its tile count and the global
+    timer at its start and end; the CTAs that merged say so (with `cluster` all of a program's
+    splits, else its last); the output is the reference's."""
     from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_TILES, TRACE_WORDS
 
-    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, context_len=4096, kv_cache_dtype="fp8_e4m3",
-                            device="cuda", seed=random.randrange(2**31))
+    tokens = options.get("tokens", 1)
+    cluster = options.get("cluster", False)
+    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, decode_query_len=tokens, context_len=4096,
+                            kv_cache_dtype="fp8_e4m3", device="cuda", seed=random.randrange(2**31))
     problem, inputs = check_decode_inputs(**step.kwargs())
-    plan = CuteBackend(kernel="wgmma", cluster=cluster, num_splits=4).plan(problem,
-                                                                            StepTables.for_inputs(problem, inputs))
+    plan = CuteBackend(kernel="wgmma", num_splits=4, **options).plan(problem, StepTables.for_inputs(problem, inputs))
+    assert (plan.config.tokens, plan.config.lag, plan.config.cluster) == (tokens, options.get("lag", False), cluster)
     traced, ctas = launch.traced_kernel(problem, plan.config)
-    programs = wgmma_programs(problem)
+    programs = wgmma_programs(problem, tokens)
     assert ctas == programs * 4
     words = torch.zeros((ctas, TRACE_WORDS), dtype=torch.int64, device="cuda")
     out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
@@ -550,7 +553,7 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(cl
     for w in words.cpu().tolist():
         clocks = [w[TRACE_POINTS.index(p)] for p in TRACE_POINTS if p != "merged"]
         assert all(clocks) and clocks == sorted(clocks), w
-        assert w[n + 1] >= w[n] > 0 and w[n + 2] >= clocks[-1] and TRACE_TILES <= w[n + 3] <= 32 // 4
+        assert w[n + 1] >= w[n] > 0 and w[n + 2] >= clocks[-1] and TRACE_TILES <= w[n + 3] <= 32 * tokens // 4
         if w[n + 4]:
             merged += 1
             assert w[TRACE_POINTS.index("merged")] >= clocks[-1]

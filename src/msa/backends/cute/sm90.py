@@ -869,6 +869,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             if lane < 4:
                                 colmax[wwarp, buf + tScS[e][1]] = m
                 _wg_barrier(wg, WGS)
+                _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                 for j in cutlass.range_constexpr(T):
                     if vt[j] > 0:
                         for ci in cutlass.range_constexpr(j * EJ // 2, (j + 1) * EJ // 2):
@@ -884,6 +885,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 _store_weights(sP_kh, tScS, pk, NS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 _wg_barrier(wg, WGS)
+                _mark_tile(TRACE, trace_at, tracer, u, "weights")
             else:
                 # scaled, masked scores
                 for e in cutlass.range_constexpr(NS):
@@ -906,6 +908,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 else:
                     for ci in cutlass.range_constexpr(NCOL):
                         mnew[ci] = moff[ci]
+                    _mark_tile(TRACE, trace_at, tracer, u, "maxima")  # (no exchange: the last tiles' maxima)
                 over = Int32(0)
                 for e in cutlass.range_constexpr(NS):
                     d = sv[e] - mnew[2 * (e // 4) + e % 2]
@@ -925,6 +928,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         _store_weights(sP_kh, tScS, pk, NS)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         _wg_barrier(wg, WGS)
+                    _mark_tile(TRACE, trace_at, tracer, u, "weights")
                 else:
                     _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "weights")
