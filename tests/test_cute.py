@@ -234,7 +234,7 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
                                      (_fp8(16), 2, True)):
         config = CuteBackend(kernel="wgmma").config_on(problem, _hopper())
         assert (config.wgs, config.num_splits, config.cluster) == (2, splits, cluster)
-        assert CuteBackend(kernel="wgmma", cluster=True).config_on(problem, _hopper()).cluster
+        assert wgmma_cluster(CuteBackend(kernel="wgmma", cluster=True).config_on(problem, _hopper())) == splits
     assert not CuteBackend(kernel="wgmma", tokens=2).config_on(_fp8(16, tp1, 2), _hopper()).cluster
     asked = CuteBackend(kernel="wgmma", cluster=True).config_on(_problem(16, geometry=tp8), _hopper())
     assert wgmma_cluster(asked) == asked.num_splits == 8
@@ -249,6 +249,14 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
             CuteBackend(kernel="mma", **{name: True}).config_on(_problem(16), _hopper())
     mma = CuteBackend(kernel="mma", cluster=False, fused=False).config_on(_problem(16), _hopper())
     assert not mma.fused and not wgmma_cluster(attrs.evolve(mma, cluster=True, fused=True, num_splits=2))
+
+
+def test_the_traced_kernel_is_the_wgmma_one_merging_its_own_splits() -> None:
+    """`launch.traced_kernel` refuses, before compiling anything, a step whose splits another
+    kernel merges, or the mma kernel."""
+    for config in (CuteConfig(num_splits=2, kernel="wgmma", fused=False), CuteConfig(num_splits=1)):
+        with pytest.raises(MSAInputError, match="config.*merging its own splits"):
+            launch.traced_kernel(_fp8(16), config)
 
 
 def test_explain_says_which_kernel_and_how() -> None:

@@ -160,7 +160,8 @@ def run_eager(
     rows: list[dict[str, Any]] = []
     for layout, tp in itertools.product(config.layouts, config.tps):
         step = make_decode_step(MINIMAX_M3_TP[tp], batch_size=max(config.batches), context_len=config.context,
-                                kv_cache_dtype=layout, device="cuda", seed=config.seed)
+                                kv_cache_dtype=layout, q_dtype=getattr(torch, config.q_dtype), device="cuda",
+                                seed=config.seed)
         for batch, length in itertools.product(config.batches, config.query_lens):
             kw = _case(step, batch, length, generator)
             print(f"  {layout} TP{tp} B={batch} L={length}", file=log, flush=True)

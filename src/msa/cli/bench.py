@@ -35,7 +35,7 @@ def add_parser(subparsers: Subparsers) -> None:
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
     p.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16",
-                   help="query dtype (default %(default)s; fp8: e4m3 with a q_scale, the fp8 product it asks for)")
+                   help="query dtype (default %(default)s; fp8: e4m3, the kernels' fp8 product)")
     p.add_argument("--backends", type=names, default=("triton",),
                    help="msa backends to time (comma list; default: triton)")
     p.add_argument("--baselines", type=names, default=("torch",),

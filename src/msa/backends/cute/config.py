@@ -74,7 +74,7 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: output against the float64 oracle (f16 q: 1.24e-3 where the f16 product holds 2.7e-4, as
 #: Triton does; bf16 q: 1.99e-3 against 1.68e-3) and is 0-2% faster there (TP1 B = 16 / 64:
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
-#: Wider steps keep the fp8 product (`choose_wgmma_shape`), and so do fp8 queries (`_fp8_kreg`).
+#: Wider steps keep the fp8 product (`choose_wgmma_shape`), and so do fp8 queries (`_keys_in_registers`).
 #: `kreg` asks for either.
 WGMMA_FP8_KREG = True
 #: fp8 steps below one wave with CTAs of this many query heads (TP8) take their values into
@@ -361,8 +361,9 @@ def _keys_in_registers(problem: DecodeProblem) -> bool:
     f16 query, whose exact product it is, but not with an fp8 query, whose product of the fp8
     keys with its one fp8 term is what the caller asked for and measured faster (H200, M3 fp8 at
     64K, fp8 q, same run, 2026-12-04 session 20, `bench_cute.py --q-dtype fp8`: TP1 B = 1 / 16
-    / 64 / 256 11.4 / 21.6 / 48.7 / 140.2 us against 11.9 / 22.1 / 49.9 / 141.0; TP8 10.6 /
-    12.9 / 20.8 / 47.6 against 11.0 / 13.1 / 21.2 / 48.4)."""
+    / 64 11.4 / 21.6 / 48.7 us against 11.9 / 22.1 / 49.9; TP8 B = 1 / 16 / 64 / 256 10.6 /
+    12.9 / 20.8 / 47.6 against 11.0 / 13.1 / 21.2 / 48.4; past 3 CTAs per SM, TP1 B = 128 and
+    256, every query takes the fp8 product already)."""
     if problem.kv_layout == "nvfp4":
         return True
     return WGMMA_FP8_KREG and Q_KINDS.get(problem.q_dtype) != "e4m3"
