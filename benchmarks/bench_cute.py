@@ -120,6 +120,8 @@ def main() -> None:
                         help="share of each token's pages that are its predecessor's (query length > 1)")
     parser.add_argument("--tp", default="1", help="M3 tensor-parallel head layouts to time (1: 64/4 ... 8: 8/1)")
     parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the timed steps' query dtype")
+    parser.add_argument("--ascending", action="store_true",
+                        help="the timed steps' top-k lists in ascending block-id order (default: score order)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
     args = parser.parse_args()
@@ -137,7 +139,8 @@ def main() -> None:
     variants += [(f"cute {v}", json.loads(v)) for v in args.variant]
     cases = ((tp, *case) for tp in map(int, args.tp.split(","))
              for case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap,
-                                  geometry=msa.MINIMAX_M3_TP[tp], q_dtype=getattr(torch, Q_DTYPES[args.q_dtype])))
+                                  geometry=msa.MINIMAX_M3_TP[tp], q_dtype=getattr(torch, Q_DTYPES[args.q_dtype]),
+                                  ascending=args.ascending))
     for tp, layout, batch, case in cases:
         n_bytes = case[0]
         backends = [*(() if args.no_triton else [("triton", TritonBackend())]),

@@ -45,12 +45,24 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
 }
 
 
+def ascending_topk(topk: torch.Tensor) -> None:
+    """Each list of `topk` in ascending block-id order, its -1 padding last (in place), as some
+    indexers emit them (the default workload's lists are in score order)."""
+    big = torch.iinfo(topk.dtype).max
+    ordered = torch.where(topk < 0, big, topk).sort(dim=-1).values
+    topk.copy_(torch.where(ordered == big, -1, ordered))
+
+
 def prepare_case(step: Any, batch: int, gen: torch.Generator, query_len: int = 1,
-                 overlap: float | None = None) -> tuple[int, torch.Tensor, Any, Any, StepTables, torch.Tensor]:
+                 overlap: float | None = None,
+                 ascending: bool = False) -> tuple[int, torch.Tensor, Any, Any, StepTables, torch.Tensor]:
     """The first `batch` requests of `step` (`query_len` tokens each, fresh q and indices; with
-    `overlap`, that share of each token's pages are its predecessor's): (bytes the step moves, the
-    reference output, problem, inputs, tables, an output buffer)."""
+    `overlap`, that share of each token's pages are its predecessor's; with `ascending`, each list
+    in block-id order): (bytes the step moves, the reference output, problem, inputs, tables, an
+    output buffer)."""
     kw = _case(step, batch, query_len, gen, overlap)
+    if ascending:
+        ascending_topk(kw["topk_indices"])
     problem, inputs = check_decode_inputs(**kw)
     out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
     return (step_bytes(kw, step), msa.sparse_decode(**kw, backend="reference"), problem, inputs,
@@ -72,7 +84,7 @@ def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: St
 
 def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator, query_len: int = 1,
              overlap: float | None = None, geometry: msa.Geometry | None = None,
-             q_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, int, Any]]:
+             q_dtype: torch.dtype = torch.bfloat16, ascending: bool = False) -> Iterator[tuple[str, int, Any]]:
     """(layout, batch, `prepare_case` of it) for M3 (TP1 unless `geometry` says otherwise) at 64K
     contexts, queries of `q_dtype`: one cache per layout (sized for the largest batch), freed
     before the next."""
@@ -80,7 +92,7 @@ def m3_cases(layouts: list[str], batches: list[int], gen: torch.Generator, query
         step = make_decode_step(geometry or msa.MINIMAX_M3, batch_size=max(batches), decode_query_len=query_len,
                                 context_len=65536, kv_cache_dtype=layout, q_dtype=q_dtype, device="cuda", seed=0)
         for batch in batches:
-            yield layout, batch, prepare_case(step, batch, gen, query_len, overlap)
+            yield layout, batch, prepare_case(step, batch, gen, query_len, overlap, ascending)
         del step
         torch.cuda.empty_cache()
 

@@ -496,6 +496,37 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
 
 @pytest.mark.gpu
 @needs_wgmma
+def test_the_warp_rank_puts_distinct_keys_in_ascending_order() -> None:
+    """`ptx.warp_rank_i32`, with which the wgmma kernel walks a row's entries in ascending block
+    order: on 32 distinct random signed keys (the extremes among them), lane i's rank is the
+    count of keys below its own, so the ranks are a permutation that sorts them."""
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from msa.backends.cute import ptx
+
+    @cute.kernel
+    def rank_kernel(src: Int64, dst: Int64) -> None:
+        lane = cute.arch.lane_idx()
+        key = ptx.ld_b32_plain(src + Int64(lane) * 4, Int32(1))
+        ptx.st_b32(dst + Int64(lane) * 4, ptx.warp_rank_i32(key), Int32(1))
+
+    @cute.jit
+    def host(src: Int64, dst: Int64) -> None:
+        rank_kernel(src, dst).launch(grid=[1, 1, 1], block=[32, 1, 1])
+
+    values = random.sample(range(-2**31 + 1, 2**31 - 1), 30) + [-2**31, 2**31 - 1]
+    random.shuffle(values)
+    keys = torch.tensor(values, dtype=torch.int32, device="cuda")
+    ranks = torch.full_like(keys, -1)
+    host(Int64(keys.data_ptr()), Int64(ranks.data_ptr()))
+    torch.cuda.synchronize()
+    expected = [sorted(values).index(v) for v in values]
+    assert ranks.cpu().tolist() == expected
+
+
+@pytest.mark.gpu
+@needs_wgmma
 @pytest.mark.parametrize(("layout", "group", "tokens", "splits"),
                          [("fp8_e4m3", 8, 4, None), ("fp8_e4m3", 8, 2, 3), ("fp8_e4m3", 16, 2, None),
                           ("nvfp4", 8, 4, 5), ("nvfp4", 16, 2, 1)])

@@ -168,7 +168,7 @@ def wgmma_cluster(config: CuteConfig) -> int:
     return splits if config.cluster and wgmma and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
 
 
-def wgmma_cluster_default(problem: DecodeProblem, tokens: int = 1, wgs: int = 1, splits: int = 2) -> bool:
+def wgmma_cluster_default(problem: DecodeProblem, tokens: int, wgs: int, splits: int) -> bool:
     """Whether a wgmma step of `splits` fused splits of `wgs` warpgroups merges them in a cluster
     unless asked (`WGMMA_CLUSTER_MERGE`, `WGMMA_CLUSTER_MAX_WIDE`)."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")

@@ -16,7 +16,7 @@ from cutlass.cutlass_dsl import T
 __all__ = [
     "cp_async", "cp_async_commit", "cp_async_wait", "lds", "lds_u16", "ldsm_t", "ld_b32_plain",
     "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
-    "e4m3_v_words", "e4m3x2_scale",
+    "e4m3_v_words", "e4m3x2_scale", "shfl_lane_i32", "warp_rank_i32",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc",
     "ballot", "any",
@@ -381,6 +381,20 @@ def shfl_up_i32(x: Any, delta: int) -> Int32:
 def shfl_idx_i32(x: Any, src: int) -> Int32:
     """`x` of lane `src`."""
     return _i32(1, f"shfl.sync.idx.b32 $0, $1, {src}, 0x1f, 0xffffffff;", "=r,r", x, side=True)[0]
+
+
+def shfl_lane_i32(x: Any, src: Any) -> Int32:
+    """`x` of lane `src` (a run-time lane, 0..31)."""
+    return _i32(1, "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", x, Int32(src), side=True)[0]
+
+
+def warp_rank_i32(key: Any) -> Int32:
+    """How many of the warp's 32 keys are below this lane's (signed; distinct keys give each lane
+    its place in ascending order). 32 broadcasts, independent of each other (full warp)."""
+    body = "{.reg .b32 k, o, t, r; mov.b32 k, $1; mov.b32 r, 0;"
+    for j in range(32):
+        body += f" shfl.sync.idx.b32 o, k, {j}, 0x1f, 0xffffffff; set.lt.u32.s32 t, o, k; sub.s32 r, r, t;"
+    return _i32(1, body + " mov.b32 $0, r;}", "=r,r", Int32(key), side=True)[0]
 
 
 # -- split-K merged in the kernel -------------------------------------------------------------

@@ -11,6 +11,10 @@ split). Its selected pages are walked as 64-token tiles:
   (the other warps convert the query meanwhile). An fp8 tile is two
   copies (64 keys, 64 values; 128-byte swizzle); an NVFP4 tile is four (the keys' and the
   values' E2M1 codes, 64-byte swizzle, and their E4M3 block scales: 9 KiB in all).
+- **Walk order.** A program of one row walks its entries in ascending block order, whatever
+  order its list has (ranked across warp 0 while their pages load), so that the rows of a
+  request, which share most of their pages in speculative decoding, read a shared page at about
+  the same time: once from DRAM, then from L2 (measured: benchmarks/RESULTS.md, session 21).
 - **Scores on the tensor cores** (`wgmma` M = the tile's 64 tokens, N = `nc`, the GQA group).
   fp8: the keys are the A operand in shared memory and the query is split once per CTA into fp8
   terms, `q * 2^e_h = t_0 + t_1 (+ t_2)`, with a power of two per head that puts its largest
@@ -237,10 +241,15 @@ def _fold_splits(m_top: Any, l_top: Any, acc: Any, ms: Any, ls: Any, parts: Any,
     return m_new, l_top
 
 
-def _store_row(at: Any, vals: Any, n: int, inv: Any, kind: str, pred: Any) -> None:
-    """`n` floats of an output row (`vals` times `inv`) as bf16 / f16 pairs at `at` where `pred` is 1."""
+def _store_row(at: Any, vals: Any, n: int, inv: Any, kind: str, pred: Any, lse_at: Any = None, m: Any = None,
+               total: Any = None, first: Any = None) -> None:
+    """`n` floats of an output row (`vals` times `inv`) as bf16 / f16 pairs at `at` where `pred` is 1,
+    and with `lse_at`, the row's natural-log LSE of its maximum `m` and sum `total` there by the
+    thread whose `first` is true (the one holding the row's first floats)."""
     for k in range(n // 2):
         ptx.st_b32(at + 4 * k, ptx.pack_out(vals[2 * k] * inv, vals[2 * k + 1] * inv, kind), pred)
+    if lse_at is not None:
+        ptx.st_f32(lse_at, ptx.lse(m, total), pred * _flag(first))
 
 
 def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
@@ -482,6 +491,20 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 limit = ptx.min64((ns[j] + (P - 1)) // P, Int64(max_blocks))
                 used = e_ok * _flag(sels[j] >= 0) * _flag(sels[j] < limit)
                 page = ptx.ld_b32_plain(table + (b * stride_bt + sels[j]) * 4, used)
+                if cutlass.const_expr(T == 1):
+                    # the row's entries in ascending block order (the unused last), sorted while
+                    # their pages are on the way: the rows of a request walk the pages they share
+                    # at the same time, so that all but the first read them from L2. A key carries
+                    # its lane (so the keys are distinct and their ranks a permutation); lane i
+                    # takes the entries of the lane of rank i.
+                    key = cutlass.select_(used != 0, (Int32(sels[0]) << 5) | lane, Int32(0x7FFFFFE0) | lane)
+                    tile_idx[ptx.warp_rank_i32(key)] = lane
+                    cute.arch.sync_warp()
+                    src = tile_idx[lane]
+                    cute.arch.sync_warp()  # (every lane's read before the tile list is written)
+                    sels[0] = Int64(ptx.shfl_lane_i32(Int32(sels[0]), src))
+                    used = ptx.shfl_lane_i32(used, src)
+                    page = ptx.shfl_lane_i32(page, src)
                 useds.append(used * _flag(page >= 0) * _flag(page < num_pages))
                 pages.append(page)
                 if cutlass.const_expr(T > 1):
@@ -1023,12 +1046,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         row_ok = _flag(gc * NC + row % GC < group) * _flag(wg == 0)
         qh = Int64(h * group + gc * NC + row % GC)
         ro = r0 + row // GC  # the column's query row
+        row_lse = lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4 if write_lse else None  # its LSE word
         if cutlass.const_expr(final):
             inv = ptx.inv_or_zero(l_all, vs * v_fix)
-            _store_row(out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2, ov, CW, inv, out_kind, row_ok)
-            if cutlass.const_expr(write_lse):
-                ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_all, l_all),
-                           row_ok * _flag(c0 == 0))
+            _store_row(out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2, ov, CW, inv, out_kind, row_ok,
+                       row_lse, m_all, l_all, c0 == 0)
         elif cutlass.const_expr(CL > 0):
             # this split's state stays in its shared memory: the first warpgroup's rows of the
             # staged tile (its merged state with two warpgroups), (m, l) in the row's padding
@@ -1065,11 +1087,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 inv = ptx.inv_or_zero(l_top, vs * v_fix)
                 v_qh = Int64(h * group + gc * NC + vrow % GC)
                 v_ro = r0 + vrow // GC
+                v_lse = lse + (Int64(v_ro) * stride_lr + v_qh * stride_lh) * 4 if write_lse else None
                 _store_row(out + (Int64(v_ro) * stride_or + v_qh * stride_oh + vc) * 2, acc, _CLUSTER_VEC, inv,
-                           out_kind, v_ok)
-                if cutlass.const_expr(write_lse):
-                    ptx.st_f32(lse + (Int64(v_ro) * stride_lr + v_qh * stride_lh) * 4, ptx.lse(m_top, l_top),
-                               v_ok * _flag(vc == 0))
+                           out_kind, v_ok, v_lse, m_top, l_top, vc == 0)
             _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("merged"))
             _mark(TRACE, trace_at, tracer, len(TRACE_POINTS) + 4, Int64(1))
             cute.arch.cluster_arrive()  # no CTA leaves while another reads its shared memory
@@ -1121,10 +1141,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                         CW, running=True)
                         inv = ptx.inv_or_zero(l_top, vs)
                         _store_row(out + (Int64(ro) * stride_or + qh * stride_oh + c0) * 2, acc, CW, inv, out_kind,
-                                   row_ok)
-                        if cutlass.const_expr(write_lse):
-                            ptx.st_f32(lse + (Int64(ro) * stride_lr + qh * stride_lh) * 4, ptx.lse(m_top, l_top),
-                                       row_ok * _flag(c0 == 0))
+                                   row_ok, row_lse, m_top, l_top, c0 == 0)
                         if tid == 0:
                             ptx.atom_add_relaxed(counter, -num_splits)
                         _mark(TRACE, trace_at, tracer, TRACE_POINTS.index("merged"))
