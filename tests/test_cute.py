@@ -500,21 +500,10 @@ def test_the_warp_rank_puts_distinct_keys_in_ascending_order() -> None:
     """`ptx.warp_rank_i32`, with which the wgmma kernel walks a row's entries in ascending block
     order: on 32 distinct random signed keys (the extremes among them), lane i's rank is the
     count of keys below its own, so the ranks are a permutation that sorts them."""
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
+    from cute_probes import warp_rank_host
+    from cutlass import Int64
 
-    from msa.backends.cute import ptx
-
-    @cute.kernel
-    def rank_kernel(src: Int64, dst: Int64) -> None:
-        lane = cute.arch.lane_idx()
-        key = ptx.ld_b32_plain(src + Int64(lane) * 4, Int32(1))
-        ptx.st_b32(dst + Int64(lane) * 4, ptx.warp_rank_i32(key), Int32(1))
-
-    @cute.jit
-    def host(src: Int64, dst: Int64) -> None:
-        rank_kernel(src, dst).launch(grid=[1, 1, 1], block=[32, 1, 1])
-
+    host = warp_rank_host()
     values = random.sample(range(-2**31 + 1, 2**31 - 1), 30) + [-2**31, 2**31 - 1]
     random.shuffle(values)
     keys = torch.tensor(values, dtype=torch.int32, device="cuda")
