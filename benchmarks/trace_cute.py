@@ -7,7 +7,8 @@ each CTA writes its SM clock at the walk's milestones), run on an M3 step with L
 
 Prints, per milestone, the median over CTAs and runs of the time since the CTA started (us, the
 clock converted with its rate measured against the global timer), the spread of the CTAs'
-start times, and the kernel's span (first start to last end, global timer). The traced output is
+start times, the kernel's span (first start to last end, global timer), the most CTAs resident
+at once and how the CTAs' ends spread (the tail a balanced schedule could take back). The traced output is
 compared with the reference first: the trace must not change the answer."""
 
 from __future__ import annotations
@@ -108,6 +109,23 @@ def report(runs: list[list[list[int]]], args: argparse.Namespace, config: object
     merge = statistics.median(merged_after or [0.0])
     print(f"kernel span (first CTA start to last end) {statistics.median(spans):.2f} us; CTA start spread "
           f"{statistics.median(skews):.2f} us; merge (counted -> merged) {merge:.2f} us")
+    waves = [statistics.median(col) for col in zip(*(_waves(run) for run in runs), strict=True)]
+    print("CTAs resident at once (peak) {:.0f}; CTAs' ends, us after the first start: p10 {:.1f}, p50 {:.1f}, "
+          "p90 {:.1f}, last {:.1f} (medians over runs; the clock reads may take registers: compare the peak "
+          "with the untraced kernel's CTAs per SM)".format(*waves))
+
+
+def _waves(run: list[list[int]]) -> tuple[float, ...]:
+    """(the most CTAs resident at once, then the 10th, 50th and 90th percentile and the last of
+    the CTAs' end times in us after the first start) of one run, from the global timer words."""
+    start = min(w[_GT_START] for w in run)
+    events = sorted([(w[_GT_START], 1) for w in run] + [(w[_GT_END], -1) for w in run])
+    peak = resident = 0
+    for _, step in events:  # (an end sorts before a start at the same time)
+        resident += step
+        peak = max(peak, resident)
+    ends = sorted((w[_GT_END] - start) / 1e3 for w in run)
+    return (float(peak), *(ends[min(len(ends) - 1, int(q * len(ends)))] for q in (0.1, 0.5, 0.9)), ends[-1])
 
 
 if __name__ == "__main__":
