@@ -504,14 +504,16 @@ def test_the_warp_rank_puts_distinct_keys_in_ascending_order() -> None:
     from cutlass import Int64
 
     host = warp_rank_host()
-    values = random.sample(range(-2**31 + 1, 2**31 - 1), 30) + [-2**31, 2**31 - 1]
-    random.shuffle(values)
+    seed = random.randrange(2**31)
+    gen = random.Random(seed)  # fresh keys each run; the seed is in the failure message
+    values = gen.sample(range(-2**31 + 1, 2**31 - 1), 30) + [-2**31, 2**31 - 1]
+    gen.shuffle(values)
     keys = torch.tensor(values, dtype=torch.int32, device="cuda")
     ranks = torch.full_like(keys, -1)
     host(Int64(keys.data_ptr()), Int64(ranks.data_ptr()))
     torch.cuda.synchronize()
     expected = [sorted(values).index(v) for v in values]
-    assert ranks.cpu().tolist() == expected
+    assert ranks.cpu().tolist() == expected, f"seed {seed}: keys {values}"
 
 
 @pytest.mark.gpu
