@@ -784,17 +784,18 @@ def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
 
 
 @needs_dsl
-@pytest.mark.parametrize(("fused", "cluster", "write_lse", "trace", "why"),
-                         [(False, 2, False, False, "fused merge of 2 .. 8"), (True, 9, False, False, "2 .. 8"),
-                          (True, 2, None, False, "not final"),
-                          (True, 1, False, False, "2 .. 8"), (True, 0, True, True, "where the LSE would go")])
+@pytest.mark.parametrize(("final", "fused", "cluster", "write_lse", "trace", "why"),
+                         [(False, False, 2, False, False, "fused merge of 2 .. 8"),
+                          (False, True, 9, False, False, "2 .. 8"),
+                          (True, True, 2, False, False, "not final"),  # (one split: nothing to merge)
+                          (False, True, 1, False, False, "2 .. 8"),
+                          (False, True, 0, True, True, "where the LSE would go")])
 def test_the_wgmma_kernel_refuses_clusters_it_cannot_merge_and_a_trace_beside_the_lse(
-        fused: bool, cluster: int, write_lse: bool | None, trace: bool, why: str) -> None:
+        final: bool, fused: bool, cluster: int, write_lse: bool, trace: bool, why: str) -> None:
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
-    final = write_lse is None  # (one split: nothing to merge)
     with pytest.raises(ValueError, match=why):
-        build_sm90(Sm90Spec(128, "bf16", "bf16", final, bool(write_lse), fused=fused, cluster=cluster, trace=trace))
+        build_sm90(Sm90Spec(128, "bf16", "bf16", final, write_lse, fused=fused, cluster=cluster, trace=trace))
 
 
 @needs_dsl
