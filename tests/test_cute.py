@@ -560,8 +560,10 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(op
     """`Sm90Spec.trace` (benchmarks/trace_cute.py): every CTA writes each milestone's clock, in
     order (the walks of `lag` and of several rows a program too), its tile count and the global
     timer at its start and end; the CTAs that merged say so (with `cluster` all of a program's
-    splits, else its last); the output is the reference's."""
-    from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_TILES, TRACE_WORDS
+    splits, else its last); the output is the reference's. A program of one row walks its tiles
+    in ascending block order (its list comes in the indexer's order): each split's first tiles
+    are the split's share of that order."""
+    from msa.backends.cute.sm90 import TRACE_POINTS, TRACE_TILES, TRACE_WALKED, TRACE_WORDS
 
     tokens = options.get("tokens", 1)
     cluster = options.get("cluster", False)
@@ -588,6 +590,33 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(op
             merged += 1
             assert w[TRACE_POINTS.index("merged")] >= clocks[-1]
     assert merged == (programs * 4 if cluster else programs)
+    if tokens == 1:
+        walked = words[:, TRACE_WALKED:TRACE_WALKED + TRACE_TILES].cpu().view(programs, 4, TRACE_TILES)
+        assert walked.tolist() == _first_tiles_in_block_order(step, plan.rows, problem.num_pages, splits=4), walked
+
+
+def _first_tiles_in_block_order(step: Any, rows: Any, num_pages: int, splits: int) -> list[list[list[int]]]:
+    """Each (row, split)'s first `TRACE_TILES` tiles (page x tiles a page + tile of the page; 0
+    past the split's last) of a one-row program of M3 TP8 (one KV head) walking its used entries
+    in ascending block order, each entry's tiles up to the row's visible length."""
+    from msa.backends.cute.sm90 import TILE, TRACE_TILES
+
+    page = step.geometry.page_size
+    table = step.block_table.cpu()
+    out = []
+    for r, (b, pos) in enumerate(zip(rows.row_request.cpu().tolist(), rows.q_pos.cpu().tolist(), strict=True)):
+        n = pos + 1
+        limit = min(-(-n // page), table.shape[1])
+        used = sorted(s for s in step.topk_indices[0, r].cpu().tolist()
+                      if 0 <= s < limit and 0 <= int(table[b, s]) < num_pages)
+        tiles = [int(table[b, s]) * (page // TILE) + t for s in used for t in range(-(-min(n - s * page, page) // TILE))]
+        row = []
+        for split in range(splits):
+            t0, t1 = split * len(tiles) // splits, (split + 1) * len(tiles) // splits
+            first = tiles[t0:min(t1, t0 + TRACE_TILES)]
+            row.append(first + [0] * (TRACE_TILES - len(first)))
+        out.append(row)
+    return out
 
 
 @pytest.mark.gpu
@@ -796,6 +825,31 @@ def test_the_wgmma_kernel_refuses_clusters_it_cannot_merge_and_a_trace_beside_th
 
     with pytest.raises(ValueError, match=why):
         build_sm90(Sm90Spec(128, "bf16", "bf16", final, write_lse, fused=fused, cluster=cluster, trace=trace))
+
+
+@needs_dsl
+@pytest.mark.parametrize(("kind", "evict"), [("fp8", "first"), ("nvfp4", "last"), ("fp8", "normal")])
+def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evict: str, tmp_path: Path) -> None:
+    """`Sm90Spec.evict`: every TMA copy of the tiles carries the L2 cache policy of the priority
+    asked (made once, by `createpolicy`); without one, the DSL's own (a zero policy word, as
+    before); an unknown priority is refused."""
+    import cutlass.cute as cute
+
+    from msa.backends.cute.kernel import compile_args
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    spec = Sm90Spec(128, "bf16", "bf16", True, False, 16, 2, vreg=kind == "nvfp4", kind=kind, kreg=True, evict=evict)
+    fn = cute.compile(build_sm90(spec), *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    policies = re.findall(r"cp\.async\.bulk\.tensor\S*L2::cache_hint [^;]*, (%rd\d+);", ptx)
+    assert len(policies) == ptx.count("cp.async.bulk.tensor") and len(policies) % (4 if kind == "nvfp4" else 2) == 0
+    made = re.findall(r"createpolicy\.fractional\.L2::evict_(\w+)\.b64 (%rd\d+), 1\.0;", ptx)
+    if evict == "normal":
+        assert not made and all(re.search(rf"mov\.b64\s+{r}, 0;", ptx) for r in policies), policies
+    else:
+        assert made == [(evict, made[0][1])] and set(policies) == {made[0][1]}, (made, policies)
+    with pytest.raises(ValueError, match="L2 eviction priority"):
+        build_sm90(attrs.evolve(spec, evict="sometimes"))
 
 
 @needs_dsl

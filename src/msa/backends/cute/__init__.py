@@ -43,6 +43,7 @@ from msa.backends.cute.config import (
     VERIFIED_DSL_VERSIONS,
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_DEFAULT_TOKENS,
+    WGMMA_EVICT,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
@@ -57,6 +58,7 @@ from msa.backends.cute.config import (
     wgmma_auto_min_programs,
     wgmma_cluster,
     wgmma_cluster_default,
+    wgmma_evict_default,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -107,12 +109,13 @@ class CuteBackend(Backend[CutePlan]):
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
     `min_ctas` (>= 0, launch bounds), `fused`, `cluster` (a fused program's 2-8 splits one cluster,
-    merged through distributed shared memory), `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv` and
-    `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once)
-    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`, `tokens` a uniform step
-    and a GQA group of 8 or 16: `sm90.Sm90Spec` says what each does). A value no kernel takes raises
-    `MSAInputError` here; one the step's kernel cannot take (too many stages for its shared
-    memory, `vreg=False` on NVFP4) raises it when the step is planned."""
+    merged through distributed shared memory), `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv`,
+    `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once) and
+    `evict` ("normal", "first" or "last": the L2 eviction priority of the pages' copies)
+    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`, `tokens` a uniform
+    step and a GQA group of 8 or 16: `sm90.Sm90Spec` says what each does). A value no kernel
+    takes raises `MSAInputError` here; one the step's kernel cannot take (too many stages for its
+    shared memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
     name = "cute"
     description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): fp8 and NVFP4 with TMA + "
@@ -134,7 +137,7 @@ class CuteBackend(Backend[CutePlan]):
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
                  kreg: bool | None = None, tconv: bool | None = None, tokens: int | None = None,
-                 cluster: bool | None = None) -> None:
+                 cluster: bool | None = None, evict: str | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -143,6 +146,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
         _check_option("tokens", tokens, f"one of {WGMMA_TOKENS}", tokens in WGMMA_TOKENS)
+        _check_option("evict", evict, f"one of {', '.join(map(repr, WGMMA_EVICT))}", evict in WGMMA_EVICT)
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv),
                            ("cluster", cluster)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
@@ -155,6 +159,7 @@ class CuteBackend(Backend[CutePlan]):
         self.tconv = tconv
         self.tokens = tokens
         self.cluster = cluster
+        self.evict = evict
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -244,7 +249,9 @@ class CuteBackend(Backend[CutePlan]):
             return CuteConfig(num_splits=splits, stages=stages, kernel="wgmma", fused=fused,
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
-                              if self.cluster is None else self.cluster)
+                              if self.cluster is None else self.cluster,
+                              evict=wgmma_evict_default(problem) if self.evict is None else self.evict)
+        _check_option("evict", self.evict, "None on the mma kernel (kernel='wgmma' takes it)", self.evict is None)
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):
             _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
                           "kernel; kernel='wgmma' merges them itself)", not value)

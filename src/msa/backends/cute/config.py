@@ -13,7 +13,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
-    "SM90_SMEM", "wgmma_serves",
+    "WGMMA_EVICT", "wgmma_evict_default", "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
@@ -106,6 +106,8 @@ WGMMA_CLUSTER_MAX_WIDE = 2
 WGMMA_MAX_CLUSTER = 8
 #: The wgmma kernel weighs a tile by the maximum through the previous ones (one barrier a tile).
 WGMMA_LAG = False
+#: The L2 eviction priorities the wgmma kernel's page copies can take (`sm90.Sm90Spec.evict`).
+WGMMA_EVICT = ("normal", "first", "last")
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
 #: The kernels' name of each query dtype.
@@ -142,6 +144,7 @@ class CuteConfig:
         their selected pages once (`wgmma_tokens_serve`; 1: a program per row).
     cluster: with `fused`, a program's splits are one thread-block cluster and merge through
         distributed shared memory where there are 2 .. `WGMMA_MAX_CLUSTER` of them (`wgmma_cluster`).
+    evict: the L2 eviction priority of the wgmma kernel's page copies (`WGMMA_EVICT`).
     """
 
     num_splits: int
@@ -157,6 +160,7 @@ class CuteConfig:
     tconv: bool = False
     tokens: int = 1
     cluster: bool = False
+    evict: str = "normal"
 
 
 def wgmma_cluster(config: CuteConfig) -> int:
@@ -166,6 +170,11 @@ def wgmma_cluster(config: CuteConfig) -> int:
     splits = config.num_splits
     wgmma = config.kernel == "wgmma" and config.fused
     return splits if config.cluster and wgmma and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
+
+
+def wgmma_evict_default(problem: DecodeProblem) -> str:
+    """The L2 eviction priority of a wgmma step's page copies unless asked."""
+    return "normal"
 
 
 def wgmma_cluster_default(problem: DecodeProblem, tokens: int, wgs: int, splits: int) -> bool:

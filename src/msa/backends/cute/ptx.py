@@ -14,9 +14,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 __all__ = [
-    "cp_async", "cp_async_commit", "cp_async_wait", "lds", "lds_u16", "ldsm_t", "ld_b32_plain",
+    "l2_policy", "cp_async", "cp_async_commit", "cp_async_wait", "lds", "lds_u16", "ldsm_t", "ld_b32_plain",
     "ld_f32", "ld_f32s", "f32_bits", "st_v4", "st_f32", "st_b32", "nvfp4_k_word", "nvfp4_v_words", "nvfp4_f16_pairs",
-    "e4m3_v_words", "e4m3x2_scale", "shfl_lane_i32", "warp_rank_i32",
+    "e4m3_v_words", "e4m3x2_scale", "shfl_idx_i32", "warp_rank_i32",
     "mma_f16", "pack_f16x2", "bf16x2_to_f16x2", "e4m3x4_to_f16x2", "ex2", "fmax", "shfl_xor", "keep_low_bytes",
     "replicate_half", "masked", "safe", "inv_or_zero", "lse", "pack_out", "min64", "max64", "popc",
     "ballot", "any",
@@ -51,6 +51,14 @@ def prefetch_l2(addr: Any, pred: Any) -> None:
     comes back; `addr` must lie inside a tensor the kernel was given)."""
     _asm(1, T.i32, "{.reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p prefetch.global.L2 [$1];}",
          "=r,l,r", addr, pred, side=True)
+
+
+def l2_policy(priority: str) -> Int64:
+    """An L2 cache policy (`createpolicy`) that gives every line it covers the eviction priority
+    `priority` ("first" or "last"), for a TMA copy's `cache_policy`."""
+    if priority not in ("first", "last"):
+        raise ValueError(f"L2 eviction priority {priority!r} is not 'first' or 'last'")
+    return Int64(_asm(1, T.i64, f"createpolicy.fractional.L2::evict_{priority}.b64 $0, 1.0;", "=l")[0])
 
 
 def ld_f32(addr: Any, pred: Any) -> Float32:
@@ -378,13 +386,11 @@ def shfl_up_i32(x: Any, delta: int) -> Int32:
     return _i32(1, f"shfl.sync.up.b32 $0, $1, {delta}, 0, 0xffffffff;", "=r,r", x, side=True)[0]
 
 
-def shfl_idx_i32(x: Any, src: int) -> Int32:
-    """`x` of lane `src`."""
-    return _i32(1, f"shfl.sync.idx.b32 $0, $1, {src}, 0x1f, 0xffffffff;", "=r,r", x, side=True)[0]
-
-
-def shfl_lane_i32(x: Any, src: Any) -> Int32:
-    """`x` of lane `src` (a run-time lane, 0..31)."""
+def shfl_idx_i32(x: Any, src: int | Any) -> Int32:
+    """`x` of lane `src`: a Python int (an immediate) or a run-time lane (0..31). Every lane of
+    the warp must execute it (full mask)."""
+    if isinstance(src, int):
+        return _i32(1, f"shfl.sync.idx.b32 $0, $1, {src}, 0x1f, 0xffffffff;", "=r,r", x, side=True)[0]
     return _i32(1, "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", x, Int32(src), side=True)[0]
 
 

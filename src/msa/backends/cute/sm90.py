@@ -89,7 +89,8 @@ _NEG_INF = float("-inf")
 _LAG_LIMIT = 15.0
 #: `Sm90Spec.trace`'s words of a CTA: its milestones' SM clocks (word i: milestone i; the tiles'
 #: only for the first `TRACE_TILES`), then the global nanosecond timer at its start and end, the
-#: clock at its end, its tile count and whether it merged the splits (1).
+#: clock at its end, its tile count, whether it merged the splits (1), and which tiles its first
+#: warpgroup walked first (`TRACE_TILES` words, `TRACE_WALKED`: page x tiles a page + tile of the page).
 TRACE_TILES = 4
 #: A traced tile's milestones: its copy complete, its keys in registers, its scores retired, the
 #: column maxima exchanged, its weights stored, its stage released.
@@ -97,7 +98,9 @@ TRACE_TILE_STEPS = ("copied", "keys", "scores", "maxima", "weights", "done")
 TRACE_POINTS = ("start", "tiles listed", "prologue done",
                 *(f"tile {u} {what}" for u in range(TRACE_TILES) for what in TRACE_TILE_STEPS),
                 "walk done", "output staged", "split counted", "merged")
-TRACE_WORDS = len(TRACE_POINTS) + 5
+#: The first word of the walked tiles.
+TRACE_WALKED = len(TRACE_POINTS) + 5
+TRACE_WORDS = TRACE_WALKED + TRACE_TILES
 
 
 @attrs.frozen
@@ -145,6 +148,8 @@ class Sm90Spec:
             shared memory and, after a cluster barrier, merges its share of the output from all of
             theirs through distributed shared memory (no partials in global memory, no counter).
             0: the last split to finish merges the partials in global memory.
+        evict: the L2 eviction priority of the tiles' TMA copies: "normal", "first" (a step's
+            pages stream through L2 without pushing out what is there) or "last".
         trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
             (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
             8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
@@ -167,6 +172,7 @@ class Sm90Spec:
     tconv: bool = False
     tokens: int = 1
     cluster: int = 0
+    evict: str = "normal"
     trace: bool = False
 
 
@@ -285,13 +291,18 @@ def _split_tiles(total: Any, split: Any, num_splits: Any, wg: int | Any, wgs: in
 
 
 def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: Any, tile: Any, head: Any,
-           page: Any) -> None:
+           page: Any, policy: Any) -> None:
     """Start the TMA copies of one tile (tile `tile` of page `page`, KV head `head`) into ring
-    stage `slot`, completing on its `full` mbarrier `bar` (warp 0 of a warpgroup issues)."""
+    stage `slot`, completing on its `full` mbarrier `bar` (warp 0 of a warpgroup issues), with the
+    L2 cache policy `policy` (None: normal)."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(bar, tx_bytes)
     for atom, s_part, g_part in copies:
-        cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar)
+        if policy is None:
+            cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar)
+        else:
+            cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar,
+                      cache_policy=policy)
 
 
 def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
@@ -311,6 +322,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits (not final)")
     if spec.trace and spec.write_lse:
         raise ValueError("trace writes its clocks where the LSE would go")
+    if spec.evict not in ("normal", "first", "last"):
+        raise ValueError(f"L2 eviction priority {spec.evict!r}: 'normal', 'first' or 'last'")
     if spec.stages < 2 or spec.wgs not in (1, 2):
         raise ValueError(f"stages {spec.stages} (>= 2) / wgs {spec.wgs} (1 or 2)")
     HALVES = P // TILE
@@ -441,10 +454,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                                                    cute.group_modes(sdst, 0, 2),
                                                                    cute.group_modes(tiles_g, 0, 2))))
         sb = wg * ST  # this warpgroup's ring: stages sb .. sb + ST - 1
+        policy = None if spec.evict == "normal" else ptx.l2_policy(spec.evict)  # the tiles' L2 eviction priority
 
         # warp 0: the row's entries (lane e: entry e) on their way, the mbarriers, then the row's
-        # tiles, compacted (lane e: entry e's 1..HALVES tiles), then the first warpgroup's first
-        # ST - 1 copies
+        # tiles, compacted (one row: lane e holds the entry of rank e in block order, after the
+        # ranking below; several: lane e's entries, each 1..HALVES tiles), then the first
+        # warpgroup's first ST - 1 copies
         if warp == 0:
             e_ok = _flag(lane < num_topk)
             sels = []
@@ -469,11 +484,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             if cutlass.const_expr(NVFP4):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_ks)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_vs)
-            # lane e: entry e of each token, used where it names a visible block of a page that
-            # exists; with several tokens the union of their used entries: each entry claims its
-            # block id's slot of a hash table in shared memory (the first to claim it walks the
-            # page) and sets its token's bit there, and the page's tiles go once each, with every
-            # token's visible count in a byte of `tile_tvis` (0 for a token that did not select it)
+            # lane e: entry e of each token (one token: then the entry of rank e, below), used
+            # where it names a visible block of a page that exists; with several tokens the union
+            # of their used entries: each entry claims its block id's slot of a hash table in
+            # shared memory (the first to claim it walks the page) and sets its token's bit there,
+            # and the page's tiles go once each, with every token's visible count in a byte of
+            # `tile_tvis` (0 for a token that did not select it)
             if cutlass.const_expr(T > 1):
                 hkeys = st.hkeys.get_tensor(cute.make_layout(HS))
                 hmask = st.hmask.get_tensor(cute.make_layout(HS))
@@ -502,9 +518,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     cute.arch.sync_warp()
                     src = tile_idx[lane]
                     cute.arch.sync_warp()  # (every lane's read before the tile list is written)
-                    sels[0] = Int64(ptx.shfl_lane_i32(Int32(sels[0]), src))
-                    used = ptx.shfl_lane_i32(used, src)
-                    page = ptx.shfl_lane_i32(page, src)
+                    sels[0] = Int64(ptx.shfl_idx_i32(Int32(sels[0]), src))
+                    used = ptx.shfl_idx_i32(used, src)
+                    page = ptx.shfl_idx_i32(page, src)
                 useds.append(used * _flag(page >= 0) * _flag(page < num_pages))
                 pages.append(page)
                 if cutlass.const_expr(T > 1):
@@ -561,7 +577,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             f0, fn = _split_tiles(total_tiles, split, num_splits, 0, WGS)
             for s in cutlass.range_constexpr(ST - 1):
                 if s < fn:
-                    _issue(copies, full + s, s, tx_bytes, tile_idx[f0 + WGS * s], h, tile_page[f0 + WGS * s])
+                    _issue(copies, full + s, s, tx_bytes, tile_idx[f0 + WGS * s], h, tile_page[f0 + WGS * s], policy)
 
         # q, split into TERMS fp8 terms, or one f16 term (KREG)
         xs = cute.make_rmem_tensor(cute.make_layout(EPT), Float32)
@@ -641,7 +657,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 for s in cutlass.range_constexpr(ST - 1):
                     if s < nloc:
                         _issue(copies, full + sb + s, sb + s, tx_bytes, tile_idx[t0 + WGS * s], h,
-                               tile_page[t0 + WGS * s])
+                               tile_page[t0 + WGS * s], policy)
 
         qk_thr = qk_mma.get_slice(wtid)
         pv_thr = pv_mma.get_slice(wtid)
@@ -751,9 +767,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 if lu < nloc:
                     ls = sb + lu % ST
                     cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
-                    _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu])
+                    _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu],
+                           policy)
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
             _mark_tile(TRACE, trace_at, tracer, u, "copied")
+            if cutlass.const_expr(TRACE):
+                _mark(TRACE, trace_at, tracer * _flag(u < TRACE_TILES), TRACE_WALKED + u,
+                      Int64(tile_page[t0 + WGS * u]) * HALVES + Int64(tile_idx[t0 + WGS * u]))
             vis = tile_vis[t0 + WGS * u]
             if cutlass.const_expr(T > 1):
                 tvis = tile_tvis[t0 + WGS * u]
