@@ -853,6 +853,41 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
 
 
 @needs_dsl
+def test_ptx_same_tells_a_changed_kernel_from_an_unchanged_one(tmp_path: Path) -> None:
+    """benchmarks/ptx_same.py: against HEAD (where src/ has no uncommitted change, as in CI) every
+    variant drawn compiles alike and it exits 0; a src tree whose kernel differs in one constant
+    (`lag`'s limit) differs exactly in the variants that use it."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    tool = root / "benchmarks" / "ptx_same.py"
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=root)
+    if dirty.returncode == 0 and not dirty.stdout.strip():
+        run = subprocess.run([sys.executable, str(tool), "--against", "HEAD", "--sample", "2",
+                              "--seed", str(random.randrange(2**31))], capture_output=True, text=True, cwd=root)
+        assert run.returncode == 0 and "2 of 2 wgmma kernel variants compile to the same PTX" in run.stdout, run
+    changed = tmp_path / "src"
+    shutil.copytree(root / "src", changed)
+    sm90 = changed / "msa" / "backends" / "cute" / "sm90.py"
+    text = sm90.read_text()
+    assert "_LAG_LIMIT = 15.0" in text
+    sm90.write_text(text.replace("_LAG_LIMIT = 15.0", "_LAG_LIMIT = 14.0"))
+    base = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3,
+                kind="fp8", kreg=True)
+    specs = json.dumps([{**base, "lag": True}, base])
+    hashes = []
+    for src in (root / "src", changed):
+        out = tmp_path / f"{len(hashes)}.json"
+        subprocess.run([sys.executable, str(tool), "--against", "HEAD", "--emit", str(src), str(out), "--specs", specs],
+                       check=True, capture_output=True)
+        hashes.append(list(json.loads(out.read_text()).values()))
+    assert hashes[0][0] != hashes[1][0] and hashes[0][1] == hashes[1][1], hashes
+
+
+@needs_dsl
 @pytest.mark.parametrize("packed", [True, False])
 def test_packed_call_launches_through_the_dsls_executor(compiled_host: Any, packed: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
