@@ -2,12 +2,17 @@
 (CPU, `nvidia-cutlass-dsl`; no GPU needed):
 
     python3 benchmarks/ptx_same.py --against REV [--sample N] [--seed S]
+    python3 benchmarks/ptx_same.py --against-src DIR [--specs JSON]
 
-A change that says it leaves the kernels it does not opt into alone can show it here. A grid of
-`Sm90Spec` variants (fp8 and NVFP4; bf16, f16 and fp8 queries; 8 and 16 heads; one split,
-fused splits, a cluster; the ring, register and warpgroup shapes the policy takes; programs of
-several rows; `lag`) is compiled for sm_90a at both trees, each in its own process (REV's src/
-checked out into a temporary git worktree). The PTX is compared with its comments stripped.
+A change that says it leaves the kernels it does not opt into alone can show it here. The
+variants compared are, first, every kernel `CuteBackend()` launches by default for M3's head
+layouts on an H200 (TP 1, 2, 4, 8; fp8 and NVFP4; bf16 and fp8 queries; B 1 .. 512; L 1, 2, 4;
+with and without LSE; as this tree's policy chooses), then a grid of `Sm90Spec` variants (fp8 and
+NVFP4; bf16, f16 and fp8 queries; 8 and 16 heads; one split with and without LSE, fused splits
+with and without, clusters of 2 and 8; both ring depths, values and keys in registers or not, one
+or two warpgroups, the tensor-core key conversion; programs of several rows, `lag`, 64-token
+pages). Each is compiled for sm_90a at both trees, each tree in its own process (REV's src/
+checked out into a temporary git worktree), and the PTX compared with its comments stripped.
 Prints each differing variant and a summary line; exits 1 when any differs. It says nothing
 about what runs on a GPU: it is no substitute for `make gpu-check`.
 """
@@ -25,25 +30,63 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+#: M3 steps whose default kernels are compared: tensor-parallel head layouts, batches, query lengths.
+DEFAULT_TPS, DEFAULT_BATCHES, DEFAULT_QUERY_LENS = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 2, 4)
 
 
-def variants() -> list[dict[str, Any]]:
-    """The grid of `Sm90Spec` keyword arguments compared (fields every revision since session 19 has):
-    every ring depth (2, 3), values and keys in registers or not, and one or two warpgroups, plus
-    the tensor-core key conversion, for each cache, query kind, head count and way of ending a
-    split; then programs of several rows, `lag` and 64-token pages."""
+def default_specs() -> list[dict[str, Any]]:
+    """The `Sm90Spec`s `CuteBackend()` launches for the M3 steps above on an H200 (132 SMs, 9.0),
+    each as the keyword arguments that differ from the field defaults (so that a revision without
+    a field this tree added at its default still takes it)."""
+    import attrs
+    import torch
+
+    import msa
+    from msa.backends.cute import CuteBackend
+    from msa.backends.cute.launch import spec_for
+    from msa.platform import Platform
+    from msa.problem import DecodeProblem
+
+    hopper = Platform(device_type="cuda", capability=(9, 0), sm_count=132, packages=frozenset({"cutlass_dsl"}))
+    seen: dict[str, dict[str, Any]] = {}
+    for tp in DEFAULT_TPS:
+        for layout in ("fp8_e4m3", "nvfp4"):
+            for q in (torch.bfloat16, torch.float8_e4m3fn):
+                for batch in DEFAULT_BATCHES:
+                    for query_len in DEFAULT_QUERY_LENS:
+                        problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len,
+                                                kv_layout=layout, q_dtype=q, out_dtype=torch.bfloat16,
+                                                device_type="cuda", num_pages=0, max_blocks=0, graph_capture=True)
+                        backend = CuteBackend()
+                        if backend.problem_reasons(problem, hopper, requested=False):
+                            continue
+                        config = backend.config_on(problem, hopper)
+                        if config.kernel != "wgmma":
+                            continue
+                        for lse in (False, True):
+                            spec = spec_for(problem, config, torch.bfloat16, lse)
+                            fields = attrs.fields_dict(type(spec))
+                            args = {k: v for k, v in attrs.asdict(spec).items() if v != fields[k].default}
+                            seen[json.dumps(args, sort_keys=True)] = args
+    return list(seen.values())
+
+
+def grid() -> list[dict[str, Any]]:
+    """The grid of `Sm90Spec` keyword arguments (fields every revision since session 19 has)."""
     out: list[dict[str, Any]] = []
     shapes = [(st, vreg, kreg, False, wgs) for st in (2, 3) for vreg in (False, True) for kreg in (False, True)
               for wgs in (1, 2)] + [(3, False, True, True, 1), (2, True, True, True, 1)]
+    ends = [(True, False, 0, False), (True, False, 0, True), (False, True, 0, False), (False, True, 0, True),
+            (False, True, 2, False), (False, True, 8, True)]  # (final, fused, cluster, write_lse)
     for kind in ("fp8", "nvfp4"):
         for q in ("bf16", "f16", "e4m3"):
             for nc in (8, 16):
-                for final, fused, cluster in ((True, False, 0), (False, True, 0), (False, True, 4)):
+                for final, fused, cluster, lse in ends:
                     for stages, vreg, kreg, tconv, wgs in shapes:
                         if kind == "nvfp4" and (not vreg or not kreg or tconv):
                             continue
-                        out.append(dict(page_size=128, q_kind=q, out_kind="bf16", final=final, write_lse=final,
-                                        nc=nc, stages=stages, fused=fused, wgs=wgs, vreg=vreg, kind=kind, kreg=kreg,
+                        out.append(dict(page_size=128, q_kind=q, out_kind="bf16", final=final, write_lse=lse, nc=nc,
+                                        stages=stages, fused=fused, wgs=wgs, vreg=vreg, kind=kind, kreg=kreg,
                                         tconv=tconv, cluster=cluster))
     out += [dict(page_size=128, q_kind="bf16", out_kind="bf16", final=False, write_lse=True, nc=32, stages=3,
                  fused=True, kind="fp8", kreg=True, tokens=2),
@@ -57,67 +100,90 @@ def variants() -> list[dict[str, Any]]:
 
 
 def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
-    """Compile `chosen` with the `msa` of `src` and write {spec JSON: PTX sha256} to `out`."""
+    """Compile `chosen` with the `msa` of `src` and write {spec JSON: PTX sha256, or why the
+    kernel refused it} to `out`."""
     sys.path.insert(0, str(src))
     import cutlass.cute as cute
 
+    import msa
     from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
+    if not Path(msa.__file__).resolve().is_relative_to(src.resolve()):
+        raise SystemExit(f"ptx_same: msa came from {msa.__file__}, not from {src}")
     hashes = {}
     with tempfile.TemporaryDirectory() as dump:
         for i, spec in enumerate(chosen):
             key = json.dumps(spec, sort_keys=True)
             try:
                 host = build_sm90(Sm90Spec(**spec))
-            except ValueError as exc:  # a combination the kernel refuses (the same at both trees, or it differs)
+            except (TypeError, ValueError) as exc:  # a field this revision lacks, a combination it refuses
                 hashes[key] = f"refused: {exc}"
                 continue
             fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
             ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
             body = "\n".join(line for line in ptx.splitlines() if not line.strip().startswith("//"))
             hashes[key] = hashlib.sha256(body.encode()).hexdigest()
-            print(f"\r{src.parent.name or src}: {i + 1}/{len(chosen)} compiled", end="", file=sys.stderr, flush=True)
+            print(f"\r{src}: {i + 1}/{len(chosen)} compiled", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     out.write_text(json.dumps(hashes))
 
 
+def compare(other_src: Path, chosen: list[dict[str, Any]], tmp: Path) -> list[dict[str, str]]:
+    """The two trees' results for `chosen` (this tree's first), each compiled in its own process."""
+    results = []
+    for name, src in (("this", ROOT / "src"), ("other", other_src)):
+        out = tmp / f"{name}.json"
+        done = subprocess.run([sys.executable, __file__, "--emit", str(src), str(out), "--specs", json.dumps(chosen)])
+        if done.returncode:
+            raise SystemExit(f"ptx_same: compiling at {src} failed (exit {done.returncode}; its message is above)")
+        results.append(json.loads(out.read_text()))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", required=True, help="a git revision whose src/ to compare with this tree's")
+    against = parser.add_mutually_exclusive_group()
+    against.add_argument("--against", help="a git revision whose src/ to compare with this tree's")
+    against.add_argument("--against-src", type=Path, help="a src/ folder to compare with this tree's")
+    parser.add_argument("--specs", help="a JSON list of Sm90Spec keyword dicts to compare (instead of the defaults and "
+                        "the grid)")
     parser.add_argument("--sample", type=int, default=0, help="compare this many variants drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emit", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
-    parser.add_argument("--specs", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.emit:
         emit(Path(args.emit[0]), json.loads(args.specs), Path(args.emit[1]))
         return
-    grid = variants()
-    if 0 < args.sample < len(grid):
-        grid = random.Random(args.seed).sample(grid, args.sample)
-    with tempfile.TemporaryDirectory() as tmp:
-        other = Path(tmp) / "other"
-        add = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
-                             capture_output=True, text=True)
-        if add.returncode:
-            raise SystemExit(f"ptx_same: cannot check out {args.against!r}: {add.stderr.strip().splitlines()[-1]}")
-        try:
-            results = []
-            for name, tree in (("this", ROOT), ("other", other)):
-                out = Path(tmp) / f"{name}.json"
-                subprocess.run([sys.executable, __file__, "--against", args.against, "--emit", str(tree / "src"),
-                                str(out), "--specs", json.dumps(grid)], check=True)
-                results.append(json.loads(out.read_text()))
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], capture_output=True)
-    here, there = results
+    if args.against is None and args.against_src is None:
+        parser.error("one of --against REV or --against-src DIR is required")
+    chosen = json.loads(args.specs) if args.specs else default_specs() + grid()
+    if 0 < args.sample < len(chosen):
+        chosen = random.Random(args.seed).sample(chosen, args.sample)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if args.against_src is not None:
+            here, there = compare(args.against_src, chosen, tmp)
+            what = str(args.against_src)
+        else:
+            other = tmp / "other"
+            add = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
+                                 capture_output=True, text=True)
+            if add.returncode:
+                raise SystemExit(f"ptx_same: cannot check out {args.against!r}: {add.stderr.strip().splitlines()[-1]}")
+            try:
+                here, there = compare(other / "src", chosen, tmp)
+            finally:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)],
+                               capture_output=True)
+            what = args.against
     differ = [spec for spec in here if here[spec] != there.get(spec)]
+    refused = [spec for spec in here if spec not in differ and here[spec].startswith("refused")]
     for spec in differ:
         print(f"differs: {spec}")
-    refused = sum(str(v).startswith("refused") for v in here.values())
-    print(f"{len(here) - len(differ)} of {len(here)} wgmma kernel variants compile to the same PTX here as at "
-          f"{args.against} (comments stripped; {refused} of them refused alike by both)")
+    same = len(here) - len(differ) - len(refused)
+    print(f"{same} of {len(here)} wgmma kernel variants compile to the same PTX here as at {what} (comments "
+          f"stripped); {len(refused)} refused alike by both, {len(differ)} differ")
     sys.exit(1 if differ else 0)
 
 

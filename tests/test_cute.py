@@ -124,7 +124,8 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
     ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("tconv", "no", "a bool"), ("cluster", 1, "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)")])
+    ("tconv", "no", "a bool"), ("cluster", 1, "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)"),
+    ("evict", "sometimes", "one of 'normal', 'first', 'last'"), ("evict", 1, "one of 'normal', 'first', 'last'")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -249,6 +250,25 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
             CuteBackend(kernel="mma", **{name: True}).config_on(_problem(16), _hopper())
     mma = CuteBackend(kernel="mma", cluster=False, fused=False).config_on(_problem(16), _hopper())
     assert not mma.fused and not wgmma_cluster(attrs.evolve(mma, cluster=True, fused=True, num_splits=2))
+
+
+@pytest.mark.parametrize("evict", [None, "normal", "first", "last"])
+def test_the_l2_priority_asked_reaches_the_wgmma_kernels_spec_and_the_mma_kernel_takes_only_normal(
+        evict: str | None) -> None:
+    """`CuteBackend(evict=...)`: the wgmma kernel's config and compile-time spec carry the
+    priority asked ("normal" unless asked); the mma kernel, whose loads are not TMA copies, takes
+    "normal" (or None) and refuses the others when the step is planned."""
+    pytest.importorskip("cutlass", reason="the spec is the DSL kernel's")
+    from msa.backends.cute.launch import spec_for
+
+    problem = _fp8(16, msa.MINIMAX_M3_TP[8])
+    config = CuteBackend(kernel="wgmma", evict=evict).config_on(problem, _hopper())
+    assert config.evict == spec_for(problem, config, torch.bfloat16, False).evict == (evict or "normal")
+    if evict in (None, "normal"):
+        assert CuteBackend(kernel="mma", evict=evict).config_on(_problem(16), _hopper()).evict == "normal"
+    else:
+        with pytest.raises(MSAInputError, match=r"^evict: expected 'normal' \(or None\) on the mma kernel"):
+            CuteBackend(kernel="mma", evict=evict).config_on(_problem(16), _hopper())
 
 
 def test_the_traced_kernel_is_the_wgmma_one_merging_its_own_splits() -> None:
@@ -569,6 +589,11 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(op
     cluster = options.get("cluster", False)
     step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, decode_query_len=tokens, context_len=4096,
                             kv_cache_dtype="fp8_e4m3", device="cuda", seed=random.randrange(2**31))
+    # a few unused entries among the used (-1, a negative id, ids past the visible blocks), so the
+    # walk must skip them; every split keeps at least TRACE_TILES tiles
+    step.topk_indices[:, :, 3] = -1
+    step.topk_indices[:, :, 9] = -7
+    step.topk_indices[:, :, 12] = step.block_table.shape[1] + 5
     problem, inputs = check_decode_inputs(**step.kwargs())
     plan = CuteBackend(kernel="wgmma", num_splits=4, **options).plan(problem, StepTables.for_inputs(problem, inputs))
     assert (plan.config.tokens, plan.config.lag, plan.config.cluster) == (tokens, options.get("lag", False), cluster)
@@ -576,6 +601,7 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(op
     programs = wgmma_programs(problem, tokens)
     assert ctas == programs * 4
     words = torch.zeros((ctas, TRACE_WORDS), dtype=torch.int64, device="cuda")
+    words[:, TRACE_WALKED:] = -1  # (page 0's first tile would read 0)
     out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
     launch.launch_cute(problem, inputs, plan.rows, out, words, plan.config, plan.workspace, {True: traced})
     want = msa.sparse_decode(**step.kwargs(), backend="reference")
@@ -591,12 +617,13 @@ def test_the_traced_kernel_writes_its_milestones_in_order_and_the_same_answer(op
             assert w[TRACE_POINTS.index("merged")] >= clocks[-1]
     assert merged == (programs * 4 if cluster else programs)
     if tokens == 1:
+        assert plan.config.wgs == 1  # (warpgroup 0 walks every tile of its split)
         walked = words[:, TRACE_WALKED:TRACE_WALKED + TRACE_TILES].cpu().view(programs, 4, TRACE_TILES)
         assert walked.tolist() == _first_tiles_in_block_order(step, plan.rows, problem.num_pages, splits=4), walked
 
 
 def _first_tiles_in_block_order(step: Any, rows: Any, num_pages: int, splits: int) -> list[list[list[int]]]:
-    """Each (row, split)'s first `TRACE_TILES` tiles (page x tiles a page + tile of the page; 0
+    """Each (row, split)'s first `TRACE_TILES` tiles (page x tiles a page + tile of the page; -1
     past the split's last) of a one-row program of M3 TP8 (one KV head) walking its used entries
     in ascending block order, each entry's tiles up to the row's visible length."""
     from msa.backends.cute.sm90 import TILE, TRACE_TILES
@@ -614,7 +641,7 @@ def _first_tiles_in_block_order(step: Any, rows: Any, num_pages: int, splits: in
         for split in range(splits):
             t0, t1 = split * len(tiles) // splits, (split + 1) * len(tiles) // splits
             first = tiles[t0:min(t1, t0 + TRACE_TILES)]
-            row.append(first + [0] * (TRACE_TILES - len(first)))
+            row.append(first + [-1] * (TRACE_TILES - len(first)))
         out.append(row)
     return out
 
@@ -842,7 +869,8 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
     fn = cute.compile(build_sm90(spec), *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
     ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
     policies = re.findall(r"cp\.async\.bulk\.tensor\S*L2::cache_hint [^;]*, (%rd\d+);", ptx)
-    assert len(policies) == ptx.count("cp.async.bulk.tensor") and len(policies) % (4 if kind == "nvfp4" else 2) == 0
+    assert policies and len(policies) == ptx.count("cp.async.bulk.tensor")
+    assert len(policies) % (4 if kind == "nvfp4" else 2) == 0
     made = re.findall(r"createpolicy\.fractional\.L2::evict_(\w+)\.b64 (%rd\d+), 1\.0;", ptx)
     if evict == "normal":
         assert not made and all(re.search(rf"mov\.b64\s+{r}, 0;", ptx) for r in policies), policies
@@ -854,20 +882,21 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
 
 @needs_dsl
 def test_ptx_same_tells_a_changed_kernel_from_an_unchanged_one(tmp_path: Path) -> None:
-    """benchmarks/ptx_same.py: against HEAD (where src/ has no uncommitted change, as in CI) every
-    variant drawn compiles alike and it exits 0; a src tree whose kernel differs in one constant
-    (`lag`'s limit) differs exactly in the variants that use it."""
+    """benchmarks/ptx_same.py: against HEAD (where src/ has no uncommitted change, as in CI) the
+    variants drawn compile alike and it exits 0; against a src tree whose kernel differs in one
+    constant (`lag`'s limit) exactly the variant that uses it differs, and it exits 1; a src
+    folder without `msa` is refused (this environment's own `msa` must not stand in for it)."""
     import json
     import shutil
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    tool = root / "benchmarks" / "ptx_same.py"
+    tool = [sys.executable, str(root / "benchmarks" / "ptx_same.py")]
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=root)
     if dirty.returncode == 0 and not dirty.stdout.strip():
-        run = subprocess.run([sys.executable, str(tool), "--against", "HEAD", "--sample", "2",
-                              "--seed", str(random.randrange(2**31))], capture_output=True, text=True, cwd=root)
+        run = subprocess.run([*tool, "--against", "HEAD", "--sample", "2", "--seed", str(random.randrange(2**31))],
+                             capture_output=True, text=True, cwd=root)
         assert run.returncode == 0 and "2 of 2 wgmma kernel variants compile to the same PTX" in run.stdout, run
     changed = tmp_path / "src"
     shutil.copytree(root / "src", changed)
@@ -878,13 +907,15 @@ def test_ptx_same_tells_a_changed_kernel_from_an_unchanged_one(tmp_path: Path) -
     base = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3,
                 kind="fp8", kreg=True)
     specs = json.dumps([{**base, "lag": True}, base])
-    hashes = []
-    for src in (root / "src", changed):
-        out = tmp_path / f"{len(hashes)}.json"
-        subprocess.run([sys.executable, str(tool), "--against", "HEAD", "--emit", str(src), str(out), "--specs", specs],
-                       check=True, capture_output=True)
-        hashes.append(list(json.loads(out.read_text()).values()))
-    assert hashes[0][0] != hashes[1][0] and hashes[0][1] == hashes[1][1], hashes
+    run = subprocess.run([*tool, "--against-src", str(changed), "--specs", specs], capture_output=True, text=True)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 1 and len(lines) == 2 and lines[0].startswith("differs:") and '"lag": true' in lines[0]
+    assert lines[1].startswith("1 of 2 wgmma kernel variants compile to the same PTX") and "1 differ" in lines[1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = subprocess.run([*tool, "--against-src", str(empty), "--specs", json.dumps([base])], capture_output=True,
+                         text=True)
+    assert run.returncode != 0 and "not from" in run.stderr, run
 
 
 @needs_dsl

@@ -251,7 +251,8 @@ class CuteBackend(Backend[CutePlan]):
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
                               if self.cluster is None else self.cluster,
                               evict=wgmma_evict_default(problem) if self.evict is None else self.evict)
-        _check_option("evict", self.evict, "None on the mma kernel (kernel='wgmma' takes it)", self.evict is None)
+        _check_option("evict", self.evict, "'normal' (or None) on the mma kernel (kernel='wgmma' takes the others)",
+                      self.evict == "normal")
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):
             _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
                           "kernel; kernel='wgmma' merges them itself)", not value)

@@ -389,6 +389,8 @@ def shfl_up_i32(x: Any, delta: int) -> Int32:
 def shfl_idx_i32(x: Any, src: int | Any) -> Int32:
     """`x` of lane `src`: a Python int (an immediate) or a run-time lane (0..31). Every lane of
     the warp must execute it (full mask)."""
+    if isinstance(src, bool) or (isinstance(src, int) and not 0 <= src < 32):
+        raise ValueError(f"shuffle source lane {src!r}: an int 0..31 or a run-time value")
     if isinstance(src, int):
         return _i32(1, f"shfl.sync.idx.b32 $0, $1, {src}, 0x1f, 0xffffffff;", "=r,r", x, side=True)[0]
     return _i32(1, "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", x, Int32(src), side=True)[0]

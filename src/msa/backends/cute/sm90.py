@@ -149,7 +149,7 @@ class Sm90Spec:
             theirs through distributed shared memory (no partials in global memory, no counter).
             0: the last split to finish merges the partials in global memory.
         evict: the L2 eviction priority of the tiles' TMA copies: "normal", "first" (a step's
-            pages stream through L2 without pushing out what is there) or "last".
+            pages, read once, are the first candidates when L2 makes room) or "last".
         trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
             (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
             8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
