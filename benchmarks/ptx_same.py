@@ -132,9 +132,11 @@ def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
 def compare(other_src: Path, chosen: list[dict[str, Any]], tmp: Path) -> list[dict[str, str]]:
     """The two trees' results for `chosen` (this tree's first), each compiled in its own process."""
     results = []
+    specs = tmp / "specs.json"
+    specs.write_text(json.dumps(chosen))
     for name, src in (("this", ROOT / "src"), ("other", other_src)):
         out = tmp / f"{name}.json"
-        done = subprocess.run([sys.executable, __file__, "--emit", str(src), str(out), "--specs", json.dumps(chosen)])
+        done = subprocess.run([sys.executable, __file__, "--emit", str(src), str(out), "--specs", f"@{specs}"])
         if done.returncode:
             raise SystemExit(f"ptx_same: compiling at {src} failed (exit {done.returncode}; its message is above)")
         results.append(json.loads(out.read_text()))
@@ -147,17 +149,20 @@ def main() -> None:
     against.add_argument("--against", help="a git revision whose src/ to compare with this tree's")
     against.add_argument("--against-src", type=Path, help="a src/ folder to compare with this tree's")
     parser.add_argument("--specs", help="a JSON list of Sm90Spec keyword dicts to compare (instead of the defaults and "
-                        "the grid)")
+                        "the grid), or @FILE holding one")
     parser.add_argument("--sample", type=int, default=0, help="compare this many variants drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emit", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    given = None
+    if args.specs:
+        given = json.loads(Path(args.specs[1:]).read_text() if args.specs.startswith("@") else args.specs)
     if args.emit:
-        emit(Path(args.emit[0]), json.loads(args.specs), Path(args.emit[1]))
+        emit(Path(args.emit[0]), given or [], Path(args.emit[1]))
         return
     if args.against is None and args.against_src is None:
         parser.error("one of --against REV or --against-src DIR is required")
-    chosen = json.loads(args.specs) if args.specs else default_specs() + grid()
+    chosen = given if given is not None else default_specs() + grid()
     if 0 < args.sample < len(chosen):
         chosen = random.Random(args.seed).sample(chosen, args.sample)
     with tempfile.TemporaryDirectory() as tmp_name:
