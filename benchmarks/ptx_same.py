@@ -35,13 +35,18 @@ DEFAULT_TPS, DEFAULT_BATCHES, DEFAULT_QUERY_LENS = (1, 2, 4, 8), (1, 2, 4, 8, 16
 
 
 def default_specs() -> list[dict[str, Any]]:
-    """The `Sm90Spec`s `CuteBackend()` launches for the M3 steps above on an H200 (132 SMs, 9.0),
-    each as the keyword arguments that differ from the field defaults (so that a revision without
-    a field this tree added at its default still takes it)."""
+    """The `Sm90Spec`s this tree's `CuteBackend()` launches for the M3 steps above on an H200 (132
+    SMs, 9.0; bf16 and fp8 queries, bf16 outputs), each as the keyword arguments that differ
+    from the field defaults (so that a revision without a field this tree added at its default
+    still takes it)."""
     import attrs
     import torch
 
+    sys.path.insert(0, str(ROOT / "src"))
     import msa
+
+    if not Path(msa.__file__).resolve().is_relative_to((ROOT / "src").resolve()):
+        raise SystemExit(f"ptx_same: msa came from {msa.__file__}, not from {ROOT / 'src'}")
     from msa.backends.cute import CuteBackend
     from msa.backends.cute.launch import spec_for
     from msa.platform import Platform
@@ -116,8 +121,13 @@ def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
         for i, spec in enumerate(chosen):
             key = json.dumps(spec, sort_keys=True)
             try:
-                host = build_sm90(Sm90Spec(**spec))
-            except (TypeError, ValueError) as exc:  # a field this revision lacks, a combination it refuses
+                made = Sm90Spec(**spec)
+            except TypeError as exc:  # a field this revision lacks
+                hashes[key] = f"refused: {exc}"
+                continue
+            try:
+                host = build_sm90(made)
+            except ValueError as exc:  # a combination this revision refuses
                 hashes[key] = f"refused: {exc}"
                 continue
             fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")

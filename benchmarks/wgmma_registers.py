@@ -8,7 +8,7 @@ Each `--spec` is `Sm90Spec` keyword arguments over an M3 TP1 one-split fp8 kerne
 pages, bf16 query and output, 16 heads, keys in registers). `--min-ctas N` (N > 0) adds the launch
 bound `.minnctapersm N` to the kernel's PTX first, as `CuteBackend(min_ctas=N)` does through the
 DSL (whose own compile of that needs a GPU driver). With the threads of a CTA, the registers
-say how many CTAs an SM can hold (65536 registers an SM).
+(allocated 8 a thread at a time) say how many CTAs an SM can hold (65536 registers an SM).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def main() -> None:
                                      capture_output=True, text=True, check=True).stderr
                 regs = int(re.findall(r"Used (\d+) registers", out)[-1])
                 spill = int(re.findall(r"(\d+) bytes spill stores", out)[-1])
-                print(f"{text:60} {bound:>8} {regs:>9} {spill:>9} {65536 // (regs * threads):>20}")
+                allocated = -(-regs // 8) * 8  # (registers are allocated 8 a thread at a time)
+                print(f"{text:60} {bound:>8} {regs:>9} {spill:>9} {65536 // (allocated * threads):>20}")
 
 
 if __name__ == "__main__":

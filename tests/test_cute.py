@@ -881,6 +881,17 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
 
 
 @needs_dsl
+@pytest.mark.parametrize("lane", [32, -1, True])
+def test_a_shuffle_from_a_lane_outside_the_warp_is_refused(lane: object) -> None:
+    """`ptx.shfl_idx_i32` takes a compile-time lane 0..31 (or a run-time value); anything else
+    is refused before any PTX is written."""
+    from msa.backends.cute import ptx
+
+    with pytest.raises(ValueError, match="shuffle source lane"):
+        ptx.shfl_idx_i32(None, lane)
+
+
+@needs_dsl
 def test_ptx_same_tells_a_changed_kernel_from_an_unchanged_one(tmp_path: Path) -> None:
     """benchmarks/ptx_same.py: against HEAD (where src/ has no uncommitted change, as in CI) the
     variants drawn compile alike and it exits 0; against a src tree whose kernel differs in one
