@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import random
 import subprocess
@@ -54,25 +55,23 @@ def default_specs() -> list[dict[str, Any]]:
 
     hopper = Platform(device_type="cuda", capability=(9, 0), sm_count=132, packages=frozenset({"cutlass_dsl"}))
     seen: dict[str, dict[str, Any]] = {}
-    for tp in DEFAULT_TPS:
-        for layout in ("fp8_e4m3", "nvfp4"):
-            for q in (torch.bfloat16, torch.float8_e4m3fn):
-                for batch in DEFAULT_BATCHES:
-                    for query_len in DEFAULT_QUERY_LENS:
-                        problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len,
-                                                kv_layout=layout, q_dtype=q, out_dtype=torch.bfloat16,
-                                                device_type="cuda", num_pages=0, max_blocks=0, graph_capture=True)
-                        backend = CuteBackend()
-                        if backend.problem_reasons(problem, hopper, requested=False):
-                            continue
-                        config = backend.config_on(problem, hopper)
-                        if config.kernel != "wgmma":
-                            continue
-                        for lse in (False, True):
-                            spec = spec_for(problem, config, torch.bfloat16, lse)
-                            fields = attrs.fields_dict(type(spec))
-                            args = {k: v for k, v in attrs.asdict(spec).items() if v != fields[k].default}
-                            seen[json.dumps(args, sort_keys=True)] = args
+    backend = CuteBackend()
+    steps = itertools.product(DEFAULT_TPS, ("fp8_e4m3", "nvfp4"), (torch.bfloat16, torch.float8_e4m3fn),
+                              DEFAULT_BATCHES, DEFAULT_QUERY_LENS)
+    for tp, layout, q, batch, query_len in steps:
+        problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len, kv_layout=layout,
+                                q_dtype=q, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0, max_blocks=0,
+                                graph_capture=True)
+        if backend.problem_reasons(problem, hopper, requested=False):
+            continue
+        config = backend.config_on(problem, hopper)
+        if config.kernel != "wgmma":
+            continue
+        for lse in (False, True):
+            spec = spec_for(problem, config, torch.bfloat16, lse)
+            fields = attrs.fields_dict(type(spec))
+            args = {k: v for k, v in attrs.asdict(spec).items() if v != fields[k].default}
+            seen[json.dumps(args, sort_keys=True)] = args
     return list(seen.values())
 
 
@@ -104,14 +103,22 @@ def grid() -> list[dict[str, Any]]:
     return out
 
 
+def sm90a_ptx(host: Any, dump: str | Path) -> str:
+    """The PTX of a wgmma kernel's host function (`build_sm90`) compiled for sm_90a on this
+    machine (no GPU needed; the DSL's files go to `dump`)."""
+    import cutlass.cute as cute
+
+    from msa.backends.cute.kernel import compile_args
+
+    fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
+    return fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+
+
 def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
     """Compile `chosen` with the `msa` of `src` and write {spec JSON: PTX sha256, or why the
     kernel refused it} to `out`."""
     sys.path.insert(0, str(src))
-    import cutlass.cute as cute
-
     import msa
-    from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     if not Path(msa.__file__).resolve().is_relative_to(src.resolve()):
@@ -130,9 +137,7 @@ def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
             except ValueError as exc:  # a combination this revision refuses
                 hashes[key] = f"refused: {exc}"
                 continue
-            fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
-            ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
-            body = "\n".join(line for line in ptx.splitlines() if not line.strip().startswith("//"))
+            body = "\n".join(line for line in sm90a_ptx(host, dump).splitlines() if not line.strip().startswith("//"))
             hashes[key] = hashlib.sha256(body.encode()).hexdigest()
             print(f"\r{src}: {i + 1}/{len(chosen)} compiled", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)

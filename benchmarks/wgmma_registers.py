@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from ptx_same import sm90a_ptx
 
 BASE = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3, kind="fp8",
             kreg=True)
@@ -32,18 +33,13 @@ def main() -> None:
     parser.add_argument("--spec", action="append", default=[], help="JSON Sm90Spec overrides (repeatable)")
     parser.add_argument("--min-ctas", default="0", help="comma-separated launch bounds to compile each with")
     args = parser.parse_args()
-    import cutlass.cute as cute
-
-    from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     print(f"{'spec':60} {'min_ctas':>8} {'registers':>9} {'spilled B':>9} {'CTAs/SM by registers':>20}")
     for text in args.spec or ["{}"]:
         spec = Sm90Spec(**{**BASE, **json.loads(text)})
         with tempfile.TemporaryDirectory() as tmp:
-            fn = cute.compile(build_sm90(spec), *compile_args(),
-                              options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp}")
-            ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+            ptx = sm90a_ptx(build_sm90(spec), tmp)
             threads = int(re.search(r"\.reqntid (\d+)", ptx).group(1))  # type: ignore[union-attr]
             for bound in (int(b) for b in args.min_ctas.split(",")):
                 src = Path(tmp) / f"k{bound}.ptx"

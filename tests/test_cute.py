@@ -793,6 +793,16 @@ CLUSTER_VARIANTS = [(("fp8", "bf16", 16, False, True, 3, False, True), 2, False)
                     (("fp8", "f16", 16, False, True, 3, False, True), 4, True)]
 
 
+def _compile_sm90a(host: Any, dump: Path) -> tuple[Any, str]:
+    """A wgmma kernel's host function compiled for sm_90a on this machine (no GPU), and its PTX."""
+    import cutlass.cute as cute
+
+    from msa.backends.cute.kernel import compile_args
+
+    fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
+    return fn, fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+
+
 @needs_dsl
 @pytest.mark.parametrize(("kind", "q_kind", "nc", "final", "fused", "stages", "vreg", "kreg", "tconv", "tokens",
                           "cluster", "trace"),
@@ -810,18 +820,14 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
     a cluster merge's two cluster barriers and one load of (m, l) and one of the row from each
     split's shared memory for each vector a thread merges; the clock and timer reads only when
     traced."""
-    import cutlass.cute as cute
-
-    from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     wgs = 1 if final else 2
     spec = Sm90Spec(128 if final else 64, q_kind, "bf16", final, not (final or trace), nc, stages, fused, vreg=vreg,
                     wgs=wgs, kind=kind, kreg=kreg, tconv=tconv, tokens=tokens, cluster=cluster, trace=trace)
     host = build_sm90(spec)
-    fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    fn, ptx = _compile_sm90a(host, tmp_path)
     assert fastcall.packing_matches(fn, HOST_ARG_KINDS)
-    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
     assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == (2 if cluster else 0)
     merged = -(-nc * 128 // 4 // (cluster * 128)) if cluster else 0  # vectors a thread merges
     assert ptx.count("ld.shared::cluster.v2.f32") == ptx.count("ld.shared::cluster.v4.f32") == cluster * merged
@@ -860,14 +866,10 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
     """`Sm90Spec.evict`: every TMA copy of the tiles carries the L2 cache policy of the priority
     asked (made once, by `createpolicy`); without one, the DSL's own (a zero policy word, as
     before); an unknown priority is refused."""
-    import cutlass.cute as cute
-
-    from msa.backends.cute.kernel import compile_args
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     spec = Sm90Spec(128, "bf16", "bf16", True, False, 16, 2, vreg=kind == "nvfp4", kind=kind, kreg=True, evict=evict)
-    fn = cute.compile(build_sm90(spec), *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
-    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    _, ptx = _compile_sm90a(build_sm90(spec), tmp_path)
     policies = re.findall(r"cp\.async\.bulk\.tensor\S*L2::cache_hint [^;]*, (%rd\d+);", ptx)
     assert policies and len(policies) == ptx.count("cp.async.bulk.tensor")
     assert len(policies) % (4 if kind == "nvfp4" else 2) == 0

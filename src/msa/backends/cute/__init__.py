@@ -44,6 +44,7 @@ from msa.backends.cute.config import (
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_DEFAULT_TOKENS,
     WGMMA_EVICT,
+    WGMMA_EVICT_DEFAULT,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
@@ -58,7 +59,6 @@ from msa.backends.cute.config import (
     wgmma_auto_min_programs,
     wgmma_cluster,
     wgmma_cluster_default,
-    wgmma_evict_default,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -250,7 +250,7 @@ class CuteBackend(Backend[CutePlan]):
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
                               if self.cluster is None else self.cluster,
-                              evict=wgmma_evict_default(problem) if self.evict is None else self.evict)
+                              evict=WGMMA_EVICT_DEFAULT if self.evict is None else self.evict)
         _check_option("evict", self.evict, "'normal' (or None) on the mma kernel (kernel='wgmma' takes the others)",
                       self.evict == "normal")
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):

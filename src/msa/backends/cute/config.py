@@ -13,7 +13,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
-    "WGMMA_EVICT", "wgmma_evict_default", "SM90_SMEM", "wgmma_serves",
+    "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "SM90_SMEM", "wgmma_serves",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
@@ -108,6 +108,8 @@ WGMMA_MAX_CLUSTER = 8
 WGMMA_LAG = False
 #: The L2 eviction priorities the wgmma kernel's page copies can take (`sm90.Sm90Spec.evict`).
 WGMMA_EVICT = ("normal", "first", "last")
+#: The priority they take unless asked (measured once, session 22: no rule yet).
+WGMMA_EVICT_DEFAULT = "normal"
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
 #: The kernels' name of each query dtype.
@@ -160,7 +162,7 @@ class CuteConfig:
     tconv: bool = False
     tokens: int = 1
     cluster: bool = False
-    evict: str = "normal"
+    evict: str = WGMMA_EVICT_DEFAULT
 
 
 def wgmma_cluster(config: CuteConfig) -> int:
@@ -170,11 +172,6 @@ def wgmma_cluster(config: CuteConfig) -> int:
     splits = config.num_splits
     wgmma = config.kernel == "wgmma" and config.fused
     return splits if config.cluster and wgmma and 2 <= splits <= WGMMA_MAX_CLUSTER else 0
-
-
-def wgmma_evict_default(problem: DecodeProblem) -> str:
-    """The L2 eviction priority of a wgmma step's page copies unless asked."""
-    return "normal"
 
 
 def wgmma_cluster_default(problem: DecodeProblem, tokens: int, wgs: int, splits: int) -> bool:

@@ -72,7 +72,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import Q_TERMS, WGMMA_HASH_SLOTS, WGMMA_MAX_CLUSTER, WGMMA_TOKENS
+from msa.backends.cute.config import Q_TERMS, WGMMA_EVICT, WGMMA_HASH_SLOTS, WGMMA_MAX_CLUSTER, WGMMA_TOKENS
 
 __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS"]
 
@@ -298,11 +298,7 @@ def _issue(copies: list[tuple[Any, Any, Any]], bar: Any, slot: Any, tx_bytes: An
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(bar, tx_bytes)
     for atom, s_part, g_part in copies:
-        if policy is None:
-            cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar)
-        else:
-            cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar,
-                      cache_policy=policy)
+        cute.copy(atom, g_part[(None, tile, head, page)], s_part[(None, slot)], tma_bar_ptr=bar, cache_policy=policy)
 
 
 def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
@@ -322,8 +318,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits (not final)")
     if spec.trace and spec.write_lse:
         raise ValueError("trace writes its clocks where the LSE would go")
-    if spec.evict not in ("normal", "first", "last"):
-        raise ValueError(f"L2 eviction priority {spec.evict!r}: 'normal', 'first' or 'last'")
+    if spec.evict not in WGMMA_EVICT:
+        raise ValueError(f"L2 eviction priority {spec.evict!r}: one of {WGMMA_EVICT}")
     if spec.stages < 2 or spec.wgs not in (1, 2):
         raise ValueError(f"stages {spec.stages} (>= 2) / wgs {spec.wgs} (1 or 2)")
     HALVES = P // TILE
