@@ -125,7 +125,8 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
     ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
     ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
     ("tconv", "no", "a bool"), ("cluster", 1, "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)"),
-    ("evict", "sometimes", "one of 'normal', 'first', 'last'"), ("evict", 1, "one of 'normal', 'first', 'last'")])
+    ("evict", "sometimes", "one of 'normal', 'first', 'last'"), ("evict", 1, "one of 'normal', 'first', 'last'"),
+    ("refill", "early", "one of 'top', 'late'"), ("refill", True, "one of 'top', 'late'")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,
                                                                    expected: str) -> None:
     with pytest.raises(MSAInputError, match=rf"^{option}: expected {re.escape(expected)}, got {re.escape(repr(value))}"):
@@ -252,23 +253,27 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
     assert not mma.fused and not wgmma_cluster(attrs.evolve(mma, cluster=True, fused=True, num_splits=2))
 
 
-@pytest.mark.parametrize("evict", [None, "normal", "first", "last"])
-def test_the_l2_priority_asked_reaches_the_wgmma_kernels_spec_and_the_mma_kernel_takes_only_normal(
-        evict: str | None) -> None:
-    """`CuteBackend(evict=...)`: the wgmma kernel's config and compile-time spec carry the
-    priority asked ("normal" unless asked); the mma kernel, whose loads are not TMA copies, takes
-    "normal" (or None) and refuses the others when the step is planned."""
+@pytest.mark.parametrize(("option", "value", "default"), [
+    ("evict", None, "normal"), ("evict", "normal", "normal"), ("evict", "first", "normal"), ("evict", "last", "normal"),
+    ("refill", None, "top"), ("refill", "top", "top"), ("refill", "late", "top")])
+def test_the_ring_options_asked_reach_the_wgmma_kernels_spec_and_the_mma_kernel_takes_only_their_default(
+        option: str, value: str | None, default: str) -> None:
+    """`CuteBackend(evict=...)` (the L2 priority of the TMA copies) and `refill=...` (when a ring
+    copy starts): the wgmma kernel's config and compile-time spec carry the value asked (the
+    default unless asked); the mma kernel, which has no ring of TMA copies, takes the default (or
+    None) and refuses the others when the step is planned."""
     pytest.importorskip("cutlass", reason="the spec is the DSL kernel's")
     from msa.backends.cute.launch import spec_for
 
-    problem = _fp8(16, msa.MINIMAX_M3_TP[8])
-    config = CuteBackend(kernel="wgmma", evict=evict).config_on(problem, _hopper())
-    assert config.evict == spec_for(problem, config, torch.bfloat16, False).evict == (evict or "normal")
-    if evict in (None, "normal"):
-        assert CuteBackend(kernel="mma", evict=evict).config_on(_problem(16), _hopper()).evict == "normal"
+    for problem in (_fp8(16, msa.MINIMAX_M3_TP[8]), _fp8(64, msa.MINIMAX_M3_TP[1])):
+        config = CuteBackend(kernel="wgmma", **{option: value}).config_on(problem, _hopper())
+        spec = spec_for(problem, config, torch.bfloat16, False)
+        assert getattr(config, option) == getattr(spec, option) == (value or default)
+    if value in (None, default):
+        assert getattr(CuteBackend(kernel="mma", **{option: value}).config_on(_problem(16), _hopper()), option) == default
     else:
-        with pytest.raises(MSAInputError, match=r"^evict: expected 'normal' \(or None\) on the mma kernel"):
-            CuteBackend(kernel="mma", evict=evict).config_on(_problem(16), _hopper())
+        with pytest.raises(MSAInputError, match=rf"^{option}: expected '{default}' \(or None\) on the mma kernel"):
+            CuteBackend(kernel="mma", **{option: value}).config_on(_problem(16), _hopper())
 
 
 def test_the_traced_kernel_is_the_wgmma_one_merging_its_own_splits() -> None:
@@ -482,21 +487,24 @@ def _run_wgmma_against_the_loop(hostile: Any, backend: CuteBackend, lse_wanted: 
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
        vreg=st.sampled_from([None, False, True]), kreg=st.sampled_from([None, False, True]),
        min_ctas=st.sampled_from([None, 4]), tconv=st.sampled_from([None, False, True]),
-       tokens=st.sampled_from([None, 1, 2, 4, 4]), cluster=st.sampled_from([None, False, True]))
+       tokens=st.sampled_from([None, 1, 2, 4, 4]), cluster=st.sampled_from([None, False, True]),
+       refill=st.sampled_from([None, "late"]), evict=st.sampled_from([None, "first", "last"]))
 def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[str, Any], seed: int,
                                                                   splits: int | None, stages: int | None,
                                                                   lse_wanted: bool, lag: bool | None,
                                                                   wgs: int | None, vreg: bool | None,
                                                                   kreg: bool | None, min_ctas: int | None,
                                                                   tconv: bool | None, tokens: int | None,
-                                                                  cluster: bool | None) -> None:
+                                                                  cluster: bool | None, refill: str | None,
+                                                                  evict: str | None) -> None:
     """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
     reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
     NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
     tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product;
     `tokens` (rows of a request a program, their pages' union walked once: the few blocks a
     request has here make the tokens' selections overlap) where the step allows it; `cluster` (2-8
-    fused splits merged through distributed shared memory; more, or one, merge as without)."""
+    fused splits merged through distributed shared memory; more, or one, merge as without); the
+    ring's copies started late (`refill`) and with an L2 priority (`evict`)."""
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
         tconv = None if tconv else tconv
@@ -508,9 +516,9 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
         tokens = 1
     lag = None if tokens is not None and tokens > 1 else lag
     note(f"{hostile} splits={splits} stages={stages} lse={lse_wanted} lag={lag} wgs={wgs} vreg={vreg} kreg={kreg} "
-         f"min_ctas={min_ctas} tconv={tconv} tokens={tokens} cluster={cluster}")
+         f"min_ctas={min_ctas} tconv={tconv} tokens={tokens} cluster={cluster} refill={refill} evict={evict}")
     backend = CuteBackend(num_splits=splits, stages=stages, kernel="wgmma", lag=lag, wgs=wgs, vreg=vreg, kreg=kreg,
-                          min_ctas=min_ctas, tconv=tconv, tokens=tokens, cluster=cluster)
+                          min_ctas=min_ctas, tconv=tconv, tokens=tokens, cluster=cluster, refill=refill, evict=evict)
     _run_wgmma_against_the_loop(hostile, backend, lse_wanted, f"cute wgmma [{hostile} splits={splits}]")
 
 
@@ -883,6 +891,101 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
 
 
 @needs_dsl
+@pytest.mark.parametrize(("kind", "stages", "vreg"), [("fp8", 3, False), ("fp8", 2, True), ("nvfp4", 2, True)])
+def test_a_late_refill_starts_the_ring_copy_after_the_tiles_products(kind: str, stages: int, vreg: bool,
+                                                                      tmp_path: Path) -> None:
+    """`Sm90Spec.refill`: the walk's copies ("top") come before its first product in the kernel's
+    code, and with "late" after it (the prologue's copies come first either way); an unknown form
+    is refused."""
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    spec = Sm90Spec(128, "bf16", "bf16", True, False, 16, stages, vreg=vreg, kind=kind, kreg=True)
+    order = {}
+    for refill in ("top", "late"):
+        (tmp_path / refill).mkdir()
+        _, ptx = _compile_sm90a(build_sm90(attrs.evolve(spec, refill=refill)), tmp_path / refill)
+        copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
+        first_product = ptx.index("wgmma.mma_async")
+        assert copies and copies[0] < first_product  # the prologue's
+        order[refill] = copies[-1] > first_product
+    assert order == {"top": False, "late": True}
+    with pytest.raises(ValueError, match="refill 'early'"):
+        build_sm90(attrs.evolve(spec, refill="early"))
+
+
+@needs_dsl
+@pytest.mark.parametrize(("nc", "wgs"), [(8, 1), (16, 1), (16, 2), (32, 1), (64, 2)])
+def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(nc: int, wgs: int,
+                                                                               tmp_path: Path) -> None:
+    """`sm90._store_weights`: replaying each warp's `stmatrix .trans` stores (lanes 8 m .. 8 m + 7
+    give matrix m's row addresses, `weights_row_at`; row j gets column j of the matrix, that is
+    element (r, j) from lane 4 r + j // 2, half j % 2, at byte 2 r) with the score product's own
+    accumulator fragment (the DSL's partition, each thread's weight e its element e) puts every
+    (token, head) of each warpgroup's tile exactly once at its byte in `weights_layout` (its
+    offsets, with the 128-byte swizzle applied to the byte address, as the DSL's stores through
+    the tile and the product's descriptor do)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+
+    from msa.backends.cute.sm90 import TILE, weights_layout, weights_row_at
+
+    frag: dict[int, list[tuple[int, int]]] = {}
+    offset: dict[tuple[int, int, int], int] = {}
+
+    def collect() -> None:  # (a helper's loops are plain Python while tracing; static coordinates only)
+        mma = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, cute.nvgpu.OperandMajorMode.K,
+                                                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
+                                                tiler_mn=(TILE, nc), a_source=warpgroup.OperandSource.RMEM)
+        for tid in range(128):
+            part = mma.get_slice(tid).partition_C(cute.make_identity_tensor((TILE, nc)))
+            frag[tid] = [(int(part[e][0]), int(part[e][1])) for e in range(cute.size(part))]
+        outer = weights_layout(nc, wgs).outer
+        for wg in range(wgs):
+            for h in range(nc):
+                for t in range(TILE):
+                    offset[(wg, t, h)] = int(outer(((h % 8, h // 8), (t, 0), (0, wg))))
+
+    @cute.jit
+    def trace() -> None:
+        collect()
+
+    cute.compile(trace, options=f"--gpu-arch sm_90a --dump-dir {tmp_path}")
+    ns = len(frag[0])
+    assert ns == nc // 2 and len(offset) == wgs * nc * TILE
+
+    def swizzled(byte: int) -> int:  # the 128-byte swizzle of a tile at a 1024-byte boundary
+        return byte ^ (((byte >> 7) & 7) << 4)
+
+    written: dict[int, tuple[int, int, int]] = {}
+    for wg in range(wgs):
+        for w in range(4):
+            for q, n in ([(0, 2)] if ns == 4 else [(q, 4) for q in range(ns // 8)]):
+                for m in range(n):
+                    for j in range(8):
+                        row = weights_row_at(0, wg, nc, 8 * m + j, w) + 2048 * q
+                        for r in range(8):
+                            lane = 4 * r + j // 2
+                            e = 2 * (4 * q + m) + j % 2
+                            token, head = frag[32 * w + lane][e]
+                            assert row + 2 * r not in written
+                            written[row + 2 * r] = (wg, token, head)
+    expect = {swizzled(2 * off): key for key, off in offset.items()}
+    assert written == expect
+
+
+@needs_dsl
+@pytest.mark.parametrize("words", [1, 3, 8])
+def test_stmatrix_takes_two_or_four_matrices(words: int) -> None:
+    """`ptx.stsm_t` writes `.x2` or `.x4`; any other count is refused before any PTX is written."""
+    from msa.backends.cute import ptx
+
+    with pytest.raises(ValueError, match=f"stmatrix stores 2 or 4 matrices, not {words}"):
+        ptx.stsm_t(None, [None] * words)
+
+
+@needs_dsl
 @pytest.mark.parametrize("lane", [32, -1, True])
 def test_a_shuffle_from_a_lane_outside_the_warp_is_refused(lane: object) -> None:
     """`ptx.shfl_idx_i32` takes a compile-time lane 0..31 (or a run-time value); anything else
@@ -1022,3 +1125,24 @@ def test_auto_keeps_eager_steps_from_an_unverified_dsl(monkeypatch: pytest.Monke
     assert not backend.problem_reasons(_problem(64, graph_capture=False), _hopper(), requested=True)
     monkeypatch.setattr(cute_module, "dsl_version", lambda: sorted(VERIFIED_DSL_VERSIONS)[0])
     assert not backend.problem_reasons(_problem(64, graph_capture=False), _hopper())
+
+
+@needs_dsl
+def test_wgmma_registers_reports_the_main_loop_and_serialised_products() -> None:
+    """benchmarks/wgmma_registers.py: the main loop it finds is the tile's (one product's 8 k-steps
+    of scores and 8 of values: 16 wgmma instructions for 16 heads, among a few hundred others),
+    and it counts ptxas's serialisation notes where a launch bound of 3 two-warpgroup CTAs leaves
+    the products no registers (none without it)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "wgmma_registers.py"), "--spec",
+                          '{"wgs":2,"stages":2}', "--min-ctas", "0,3", "--mix"], capture_output=True, text=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root / 'benchmarks'}"}, check=True)
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("{")]
+    mixes = [line for line in run.stdout.splitlines() if line.startswith("    ")]
+    assert [int(r[1]) for r in rows] == [0, 3] and len(mixes) == 2, run.stdout
+    (_, _, regs0, _, _, serial0, loop0), (_, _, regs3, _, _, serial3, _) = rows
+    assert int(serial0) == 0 and int(serial3) >= 1 and int(regs3) <= 85 < int(regs0), run.stdout
+    assert "HGMMA 16" in mixes[0] and 250 < int(loop0) < 800, run.stdout

@@ -48,6 +48,8 @@ from msa.backends.cute.config import (
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
+    WGMMA_REFILL,
+    WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
     CuteConfig,
     choose_min_ctas,
@@ -110,10 +112,11 @@ class CuteBackend(Backend[CutePlan]):
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
     `min_ctas` (>= 0, launch bounds), `fused`, `cluster` (a fused program's 2-8 splits one cluster,
     merged through distributed shared memory), `lag`, `wgs` (1 or 2), `vreg`, `kreg`, `tconv`,
-    `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once) and
-    `evict` ("normal", "first" or "last": the L2 eviction priority of the pages' copies)
-    ("wgmma"; NVFP4 needs `vreg` and `kreg`, `tconv` takes fp8 and `kreg`, `tokens` a uniform
-    step and a GQA group of 8 or 16: `sm90.Sm90Spec` says what each does). A value no kernel
+    `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once),
+    `evict` ("normal", "first" or "last": the L2 eviction priority of the pages' copies) and
+    `refill` ("top" or "late": when a ring copy starts) ("wgmma"; NVFP4 needs `vreg` and `kreg`,
+    `tconv` takes fp8 and `kreg`, `tokens` a uniform step and a GQA group of 8 or 16:
+    `sm90.Sm90Spec` says what each does). A value no kernel
     takes raises `MSAInputError` here; one the step's kernel cannot take (too many stages for its
     shared memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
@@ -137,7 +140,7 @@ class CuteBackend(Backend[CutePlan]):
                  min_ctas: int | None = None, kernel: str | None = None, fused: bool | None = None,
                  lag: bool | None = None, wgs: int | None = None, vreg: bool | None = None,
                  kreg: bool | None = None, tconv: bool | None = None, tokens: int | None = None,
-                 cluster: bool | None = None, evict: str | None = None) -> None:
+                 cluster: bool | None = None, evict: str | None = None, refill: str | None = None) -> None:
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
@@ -147,6 +150,7 @@ class CuteBackend(Backend[CutePlan]):
         _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
         _check_option("tokens", tokens, f"one of {WGMMA_TOKENS}", tokens in WGMMA_TOKENS)
         _check_option("evict", evict, f"one of {', '.join(map(repr, WGMMA_EVICT))}", evict in WGMMA_EVICT)
+        _check_option("refill", refill, f"one of {', '.join(map(repr, WGMMA_REFILL))}", refill in WGMMA_REFILL)
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv),
                            ("cluster", cluster)):
             _check_option(name, flag, "a bool", isinstance(flag, bool))
@@ -160,6 +164,7 @@ class CuteBackend(Backend[CutePlan]):
         self.tokens = tokens
         self.cluster = cluster
         self.evict = evict
+        self.refill = refill
         self.num_splits = num_splits
         self.stages = stages
         self.qk_chains = qk_chains
@@ -250,9 +255,11 @@ class CuteBackend(Backend[CutePlan]):
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
                               if self.cluster is None else self.cluster,
-                              evict=WGMMA_EVICT_DEFAULT if self.evict is None else self.evict)
-        _check_option("evict", self.evict, "'normal' (or None) on the mma kernel (kernel='wgmma' takes the others)",
-                      self.evict == "normal")
+                              evict=WGMMA_EVICT_DEFAULT if self.evict is None else self.evict,
+                              refill=WGMMA_REFILL_DEFAULT if self.refill is None else self.refill)
+        for name, asked, default in (("evict", self.evict, "normal"), ("refill", self.refill, "top")):
+            _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",
+                          asked == default)
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):
             _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
                           "kernel; kernel='wgmma' merges them itself)", not value)

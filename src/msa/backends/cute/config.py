@@ -110,6 +110,11 @@ WGMMA_LAG = False
 WGMMA_EVICT = ("normal", "first", "last")
 #: The priority they take unless asked (measured once, session 22: no rule yet).
 WGMMA_EVICT_DEFAULT = "normal"
+#: When the wgmma kernel's warp 0 starts a ring copy (`sm90.Sm90Spec.refill`): at the top of a
+#: tile, or once the tile's products are issued.
+WGMMA_REFILL = ("top", "late")
+#: The form it takes unless asked (session 23: "late" built and checked on the CPU, not yet timed).
+WGMMA_REFILL_DEFAULT = "top"
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
 #: The kernels' name of each query dtype.
@@ -147,6 +152,7 @@ class CuteConfig:
     cluster: with `fused`, a program's splits are one thread-block cluster and merge through
         distributed shared memory where there are 2 .. `WGMMA_MAX_CLUSTER` of them (`wgmma_cluster`).
     evict: the L2 eviction priority of the wgmma kernel's page copies (`WGMMA_EVICT`).
+    refill: when the wgmma kernel starts a ring copy (`WGMMA_REFILL`).
     """
 
     num_splits: int
@@ -163,6 +169,7 @@ class CuteConfig:
     tokens: int = 1
     cluster: bool = False
     evict: str = WGMMA_EVICT_DEFAULT
+    refill: str = WGMMA_REFILL_DEFAULT
 
 
 def wgmma_cluster(config: CuteConfig) -> int:

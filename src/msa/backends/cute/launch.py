@@ -68,7 +68,7 @@ def spec_for(problem: DecodeProblem, config: CuteConfig, out_dtype: torch.dtype,
                         with_lse and (config.num_splits == 1 or fused), wgmma_heads(g.group_size) * config.tokens,
                         config.stages, fused, config.lag, config.min_ctas, config.wgs, config.vreg,
                         WGMMA_KINDS[problem.kv_layout], config.kreg, config.tconv, config.tokens,
-                        wgmma_cluster(config), config.evict)
+                        wgmma_cluster(config), config.evict, config.refill)
     from msa.backends.cute.kernel import KernelSpec
 
     return KernelSpec(KINDS[problem.kv_layout], g.page_size, Q_KINDS[problem.q_dtype], _OUT_KINDS[out_dtype],

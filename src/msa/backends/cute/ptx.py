@@ -146,6 +146,19 @@ def ldsm_t(addr: Any) -> list[Int32]:
                 addr, side=True)
 
 
+def stsm_t(addr: Any, words: list[Any]) -> None:
+    """`stmatrix .x2 / .x4 .trans` of 16-bit elements (warp-collective; `words`: one register a
+    matrix, 2 or 4): this thread's word of matrix m holds its elements (row `lane // 4`, columns
+    2 (lane % 4) and + 1, the low half first), and lanes 8 m .. 8 m + 7 give the shared addresses
+    of the eight 16-byte rows matrix m is stored to, transposed: row j holds its column j."""
+    n = len(words)
+    if n not in (2, 4):
+        raise ValueError(f"stmatrix stores 2 or 4 matrices, not {n}")
+    regs = ", ".join(f"${2 + i}" for i in range(n))
+    _asm(1, T.i32, f"{{mov.b32 $0, 0; stmatrix.sync.aligned.m8n8.x{n}.trans.shared.b16 [$1], {{{regs}}};}}",
+         "=r,r," + ",".join(["r"] * n), addr, *words, side=True)
+
+
 # -- NVFP4 decode into mma operands ----------------------------------------------------------
 
 # A code byte's two nibbles as E4M3 bytes: magnitude bits to bits 2-4, sign to bit 7 (the E2M1

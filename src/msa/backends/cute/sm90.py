@@ -72,9 +72,16 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from msa.backends.cute import ptx
-from msa.backends.cute.config import Q_TERMS, WGMMA_EVICT, WGMMA_HASH_SLOTS, WGMMA_MAX_CLUSTER, WGMMA_TOKENS
+from msa.backends.cute.config import (
+    Q_TERMS,
+    WGMMA_EVICT,
+    WGMMA_HASH_SLOTS,
+    WGMMA_MAX_CLUSTER,
+    WGMMA_REFILL,
+    WGMMA_TOKENS,
+)
 
-__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS"]
+__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "weights_layout", "weights_row_at"]
 
 #: Tokens per tile (the score product's M, a TMA box's rows).
 TILE = 64
@@ -150,6 +157,10 @@ class Sm90Spec:
             0: the last split to finish merges the partials in global memory.
         evict: the L2 eviction priority of the tiles' TMA copies: "normal", "first" (a step's
             pages, read once, are the first candidates when L2 makes room) or "last".
+        refill: when warp 0 of a warpgroup starts the copy of the tile `stages - 1` ahead into the
+            stage the last tile released: "top" (at the top of a tile, before its copy wait) or
+            "late" (once this tile's products are issued, while they run: the warpgroup's products
+            wait for all four warps, so the copy's issue is then off their path).
         trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
             (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
             8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
@@ -173,6 +184,7 @@ class Sm90Spec:
     tokens: int = 1
     cluster: int = 0
     evict: str = "normal"
+    refill: str = "top"
     trace: bool = False
 
 
@@ -258,12 +270,37 @@ def _store_row(at: Any, vals: Any, n: int, inv: Any, kind: str, pred: Any, lse_a
         ptx.st_f32(lse_at, ptx.lse(m, total), pred * _flag(first))
 
 
-def _store_weights(sP_kh: Any, tScS: Any, pk: Any, ns: int) -> None:
-    """The thread's weights `pk` (f32) into the f16 weight tile, converted two at a time."""
+def weights_row_at(base: Any, wg: Any, nc: int, lane: Any, wwarp: Any) -> Any:
+    """The shared address a lane of warp `wwarp` (of warpgroup `wg`) gives the weights' first
+    `stmatrix` (`_store_weights`; Python ints or kernel values): row `lane % 8` (head 8 (m // 2)
+    + lane % 8) of matrix m = `lane // 8`, the warp's tokens 16 wwarp + 8 (m % 2) .. + 7, in the
+    weight tile at `base` (`weights_layout`: a 128-byte row of 64 tokens a head, 8-head blocks
+    1024 bytes apart, a warpgroup's tile `nc` x 128 bytes on, the 128-byte swizzle of the byte
+    address: 16-byte chunk ^= head % 8)."""
+    return (base + wg * (nc * TILE * 2) + 1024 * (lane // 16) + 128 * (lane % 8)
+            + 16 * ((2 * wwarp + (lane // 8) % 2) ^ (lane % 8)))
+
+
+def weights_layout(nc: int, wgs: int) -> Any:
+    """The weight tile of each consumer warpgroup (the value product's B operand, `nc` heads x
+    64 tokens, K-major, 128-byte swizzle; call while tracing)."""
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, nc, TILE), cutlass.Float16, wgs)
+
+
+def _store_weights(p_at: Any, pk: Any, ns: int) -> None:
+    """The thread's weights `pk` (f32, in wgmma's accumulator order: element e is token g + 8
+    ((e // 2) % 2) of the warp's 16, head 8 (e // 4) + 2 t4 + e % 2) into the f16 weight tile,
+    two at a time, a warp's 16 tokens x 8 heads (two matrices) an `stmatrix .trans` pair (four a
+    store; two at 8 heads), the thread's row address of the first four `p_at` (the next four's
+    2048 bytes on: 16 heads on)."""
     half = cute.make_rmem_tensor(cute.make_layout(ns), cutlass.Float16)
     half.store(pk.load().to(cutlass.Float16))
-    for e in range(ns):
-        sP_kh[tScS[e]] = half[e]
+    words = cute.recast_tensor(half, Int32)
+    if ns == 4:
+        ptx.stsm_t(p_at, [words[0], words[1]])
+    else:
+        for q in range(ns // 8):  # (traced: a helper's loops are plain Python)
+            ptx.stsm_t(p_at + 2048 * q, [words[4 * q + i] for i in range(4)])
 
 
 def _mark(on: bool, at: Any, pred: Any, point: Any, value: Any = None) -> None:
@@ -320,6 +357,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         raise ValueError("trace writes its clocks where the LSE would go")
     if spec.evict not in WGMMA_EVICT:
         raise ValueError(f"L2 eviction priority {spec.evict!r}: one of {WGMMA_EVICT}")
+    if spec.refill not in WGMMA_REFILL:
+        raise ValueError(f"refill {spec.refill!r}: one of {WGMMA_REFILL}")
     if spec.stages < 2 or spec.wgs not in (1, 2):
         raise ValueError(f"stages {spec.stages} (>= 2) / wgs {spec.wgs} (1 or 2)")
     HALVES = P // TILE
@@ -332,6 +371,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     KREG = spec.kreg or NVFP4 or TCONV  # keys in f16 registers, one f16 query term
     TERMS = 1 if KREG else Q_TERMS[spec.q_kind]
     LAG = spec.lag
+    LATE = spec.refill == "late"
     WGS = spec.wgs
     VREG = spec.vreg
     T = spec.tokens
@@ -723,6 +763,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         NS = cute.size(accS)
         NO = cute.size(accO)
         sP_kh = cute.make_tensor(sP[None, None, wg].iterator, cute.select(sP[None, None, wg].layout, mode=[1, 0]))
+        # the weights' stmatrix (`_store_weights`): lanes 8 m .. 8 m + 7 give the rows of matrix m,
+        # the warp's tokens 16 w + 8 (m % 2) .. + 7 of heads 8 (m // 2) .. + 7, row j head 8 (m // 2)
+        # + j's. The tile (`p_layout`): a 128-byte row of 64 tokens a head, 8-head blocks 1024 bytes
+        # apart, a warpgroup's tile NC x 128 bytes, the 128-byte swizzle (16-byte chunk ^= head % 8)
+        p_at = weights_row_at(st.sP.data_ptr().toint(), wg, NC, lane, wwarp)
 
         # the thread's scores are NS elements over NCOL columns (heads): element e is column
         # 2 (e // 4) + e % 2, row g or g + 8 (wgmma's accumulator layout)
@@ -758,13 +803,20 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
         for u in cutlass.range(nloc, unroll=1):
             stage = sb + u % ST
-            if wwarp == 0:
-                lu = u + ST - 1
-                if lu < nloc:
-                    ls = sb + lu % ST
-                    cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
-                    _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu],
-                           policy)
+
+            def refill() -> None:  # (called in this iteration only: the DSL takes no closure across its loops)
+                """Warp 0 of the warpgroup: tile `u + ST - 1` of its ring (if it has one) into the stage
+                tile `u - 1` held, once that stage is released (its `empty` mbarrier)."""
+                if wwarp == 0:
+                    lu = u + ST - 1  # noqa: B023 - this iteration's tile
+                    if lu < nloc:
+                        ls = sb + lu % ST
+                        cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
+                        _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu],
+                               policy)
+
+            if cutlass.const_expr(not LATE):
+                refill()
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
             _mark_tile(TRACE, trace_at, tracer, u, "copied")
             if cutlass.const_expr(TRACE):
@@ -852,6 +904,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
+                if cutlass.const_expr(LATE):
+                    refill()
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 _mark_tile(TRACE, trace_at, tracer, u, "scores")
                 for kk in cutlass.range_constexpr(4):
@@ -876,17 +930,20 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
                 for c in cutlass.range_constexpr(NCV):
                     cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
+                if cutlass.const_expr(LATE):
+                    refill()
                 warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
                 _mark_tile(TRACE, trace_at, tracer, u, "scores")
 
                 vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
                 for c in cutlass.range_constexpr(NCV):
                     vh.store(v8[(None, c)].load().to(f16))
-                    if vis < TILE:  # the row ends inside this tile: zero the values past it
-                        for i in cutlass.range_constexpr(VW):
-                            if vcoord[i, c, 0][0] >= vis:
-                                vh[i] = f16(0.0)
                     cute.autovec_copy(vh, vdst[None, c, 0])
+                if vis < TILE:  # the row ends inside this tile: zero the values past it (a copy is one token's)
+                    vh.fill(0.0)
+                    for c in cutlass.range_constexpr(NCV):
+                        if vcoord[0, c, 0][0] >= vis:
+                            cute.autovec_copy(vh, vdst[None, c, 0])
 
             buf = (2 * wg + u % 2) * NC  # this tile's column maxima: colmax[warp, buf + column]
             if cutlass.const_expr(T > 1):
@@ -921,7 +978,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = mcol[ci]
                         for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
                             pk[e] = Float32(0.0)
-                _store_weights(sP_kh, tScS, pk, NS)
+                _store_weights(p_at, pk, NS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 _wg_barrier(wg, WGS)
                 _mark_tile(TRACE, trace_at, tracer, u, "weights")
@@ -954,7 +1011,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     if cutlass.const_expr(LAG):
                         over = over | _flag(d > _LAG_LIMIT)
                     pk[e] = cute.arch.exp2(d)
-                _store_weights(sP_kh, tScS, pk, NS)
+                _store_weights(p_at, pk, NS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if cutlass.const_expr(LAG):
                     # the offset (the maximum through the last tile) left some weight above 2^15 (and
@@ -964,7 +1021,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                         for e in cutlass.range_constexpr(NS):
                             pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
-                        _store_weights(sP_kh, tScS, pk, NS)
+                        _store_weights(p_at, pk, NS)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "weights")
@@ -1183,7 +1240,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # the NVFP4 block scales of a tile: 512 contiguous bytes, as the box's rows
         sc_layout = cute.make_layout((*SCALE_BOX, WGS * ST), stride=(SCALE_BOX[1], 1, SCALE_BYTES))
         vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
-        p_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, NC, TILE), f16, WGS)
+        p_layout = weights_layout(NC, WGS)
         q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), f16 if KREG else fp8, TERMS)
         # the identity tile of the keys' conversion product (tconv: its B, 32 x 32)
         ik_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, 32, 32), fp8, 1)
