@@ -38,13 +38,14 @@ PTXAS = BIN / "ptxas"
 
 
 def main_loop(sass: str) -> collections.Counter[str]:
-    """The opcodes (predicates and modifiers dropped) of the smallest backward branch's region
-    that holds a wgmma (`HGMMA`) instruction, from `cuobjdump -sass` text."""
+    """The opcodes (predicates and modifiers dropped) of the smallest region of a conditional
+    backward branch (a loop's back edge, not the unconditional jump back from an mbarrier wait's
+    retry block) that holds a wgmma (`HGMMA`) instruction, from `cuobjdump -sass` text."""
     ops = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
            if (m := re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
     spans = []
     for address, text in ops:
-        branch = re.search(r"BRA (?:`\(\.L_x_\d+\) )?(0x[0-9a-f]+)", text)
+        branch = re.search(r"^@!?U?P\w+\s+BRA (?:`\(\.L_x_\d+\) )?(0x[0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             span = [t for a, t in ops if int(branch.group(1), 16) <= a <= address]
             if any("HGMMA" in t for t in span):
