@@ -6,6 +6,7 @@ planner, and inside a CUDA graph."""
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import random
 import re
@@ -894,9 +895,9 @@ def test_the_wgmma_kernels_page_copies_take_the_l2_priority_asked(kind: str, evi
 @pytest.mark.parametrize(("kind", "stages", "vreg"), [("fp8", 3, False), ("fp8", 2, True), ("nvfp4", 2, True)])
 def test_a_late_refill_starts_the_ring_copy_after_the_tiles_products(kind: str, stages: int, vreg: bool,
                                                                       tmp_path: Path) -> None:
-    """`Sm90Spec.refill`: the walk's copies ("top") come before its first product in the kernel's
-    code, and with "late" after it (the prologue's copies come first either way); an unknown form
-    is refused."""
+    """`Sm90Spec.refill`: with "late" the walk's copy is issued between the tile's products' commit
+    and the wait for them, in the kernel's code; with "top" nothing is (it comes before the tile's
+    copy wait); the prologue's copies come first either way; an unknown form is refused."""
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
     spec = Sm90Spec(128, "bf16", "bf16", True, False, 16, stages, vreg=vreg, kind=kind, kreg=True)
@@ -905,39 +906,91 @@ def test_a_late_refill_starts_the_ring_copy_after_the_tiles_products(kind: str, 
         (tmp_path / refill).mkdir()
         _, ptx = _compile_sm90a(build_sm90(attrs.evolve(spec, refill=refill)), tmp_path / refill)
         copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
-        first_product = ptx.index("wgmma.mma_async")
-        assert copies and copies[0] < first_product  # the prologue's
-        order[refill] = copies[-1] > first_product
-    assert order == {"top": False, "late": True}
+        commit = ptx.index("wgmma.commit_group")  # the first tile's products (the keys are in registers)
+        wait = ptx.index("wgmma.wait_group", commit)
+        assert copies and copies[0] < ptx.index("wgmma.mma_async")  # the prologue's
+        order[refill] = [commit < c < wait for c in copies].count(True)
+    assert order == {"top": 0, "late": 4 if kind == "nvfp4" else 2}, order  # (copies a tile)
     with pytest.raises(ValueError, match="refill 'early'"):
         build_sm90(attrs.evolve(spec, refill="early"))
 
 
-@needs_dsl
-@pytest.mark.parametrize(("nc", "wgs"), [(8, 1), (16, 1), (16, 2), (32, 1), (64, 2)])
-def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(nc: int, wgs: int,
-                                                                               tmp_path: Path) -> None:
-    """`sm90._store_weights`: replaying each warp's `stmatrix .trans` stores (lanes 8 m .. 8 m + 7
-    give matrix m's row addresses, `weights_row_at`; row j gets column j of the matrix, that is
-    element (r, j) from lane 4 r + j // 2, half j % 2, at byte 2 r) with the score product's own
-    accumulator fragment (the DSL's partition, each thread's weight e its element e) puts every
-    (token, head) of each warpgroup's tile exactly once at its byte in `weights_layout` (its
-    offsets, with the 128-byte swizzle applied to the byte address, as the DSL's stores through
-    the tile and the product's descriptor do)."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import warpgroup
+#: The integer instructions of a probe kernel's address arithmetic (`_replay_ptx_stores`).
+_INT_OPS = {"shr.u32": operator.rshift, "shr.s32": operator.rshift, "shl.b32": operator.lshift,
+            "and.b32": operator.and_, "or.b32": operator.or_, "xor.b32": operator.xor, "add.s32": operator.add,
+            "sub.s32": operator.sub}
 
-    from msa.backends.cute.sm90 import TILE, weights_layout, weights_row_at
+
+def _operand(reg: dict[str, Any], x: str) -> Any:
+    return reg[x] if x.startswith("%") else int(x, 0)
+
+
+def _replay_ptx_stores(ptx: str, threads: int) -> dict[int, list[tuple[str, int, list[tuple[int, int]]]]]:
+    """Each thread's `stmatrix` stores in a probe kernel's PTX (`cute_probes.weights_store_host`),
+    by evaluating its few instructions for that thread: (.x2 / .x4, row address, each word's
+    (low, high) weight index, weight e having been stored as the f32 e + 1). An instruction the
+    replay does not know fails the test."""
+    body = [line.strip() for line in ptx[ptx.index(".entry"):].splitlines()]
+    stores = {}
+    for tid in range(threads):
+        reg: dict[str, Any] = {}
+        out = []
+        for line in body:
+            made = re.search(r"stmatrix\.sync\.aligned\.m8n8\.(x\d)\.trans\.shared\.b16 \[(%r\d+)\], \{([^}]*)\}", line)
+            if made:
+                out.append((made.group(1), reg[made.group(2)], [reg[r.strip()] for r in made.group(3).split(",")]))
+                continue
+            ins = re.match(r"(\S+)\s+(%r\d+),\s*(.*);$", line)
+            if not ins:
+                assert not re.match(r"(add|sub|mul|mad|shl|shr|and|or|xor|mov|cvt|shfl|selp|setp)\.", line), line
+                continue
+            op, dst, args = ins.group(1), ins.group(2), [a.strip() for a in ins.group(3).split(",")]
+            if op == "ld.param.b32":
+                reg[dst] = 0  # the tile's base
+            elif op == "mov.u32" and args == ["%tid.x"]:
+                reg[dst] = tid
+            elif op == "mov.b32" and args[0].startswith("0f"):
+                reg[dst] = round(struct.unpack(">f", bytes.fromhex(args[0][2:]))[0]) - 1  # weight index
+            elif op == "cvt.rn.f16x2.f32":  # the first source goes to the high half
+                reg[dst] = (reg[args[1]], reg[args[0]])
+            elif op == "shfl.sync.idx.b32" and args[1:] == ["0", "31", "-1"]:
+                reg[dst] = _operand(reg, args[0])  # (a warp-uniform value: the warp index)
+            elif op in _INT_OPS:
+                a, b = _operand(reg, args[0]) & 0xFFFFFFFF, _operand(reg, args[1]) & 0xFFFFFFFF
+                if op == "shr.s32":
+                    a -= (a >> 31) << 32
+                reg[dst] = _INT_OPS[op](a, b) & 0xFFFFFFFF
+            else:
+                raise AssertionError(f"the replay does not know {line!r}")
+        stores[tid] = out
+    return stores
+
+
+@needs_dsl
+@pytest.mark.parametrize(("nc", "wgs", "kreg"), [(8, 1, True), (16, 1, True), (16, 2, True), (32, 1, True),
+                                                 (64, 2, True), (16, 1, False), (8, 2, False)])
+def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(nc: int, wgs: int, kreg: bool,
+                                                                               tmp_path: Path) -> None:
+    """`sm90.store_weights`: a probe kernel that stores a tile's weights as the wgmma kernel does
+    (its `store_weights` at its `weights_row_at`, in the order of its `score_mma` fragment; weight
+    e of each thread e + 1) is compiled for sm_90a and its PTX replayed thread by thread, with
+    `stmatrix .trans` as PTX defines it (lanes 8 m .. 8 m + 7 give matrix m's row addresses; row j
+    gets the matrix's column j: element (r, j) from lane 4 r + j // 2, half j % 2, at byte 2 r).
+    Every (token, head) of each warpgroup's tile must land exactly once at its byte in
+    `weights_layout` (its offsets, with the 128-byte swizzle applied to the byte address, as the
+    DSL's stores through the tile and the product's descriptor do), the token and head being
+    those of the weight's place in the DSL's own accumulator fragment."""
+    import cutlass.cute as cute
+    from cute_probes import weights_store_host
+    from cutlass import Int32
+
+    from msa.backends.cute.sm90 import TILE, score_mma, weights_layout
 
     frag: dict[int, list[tuple[int, int]]] = {}
-    offset: dict[tuple[int, int, int], int] = {}
+    offset: dict[int, tuple[int, int, int]] = {}
 
     def collect() -> None:  # (a helper's loops are plain Python while tracing; static coordinates only)
-        mma = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, cute.nvgpu.OperandMajorMode.K,
-                                                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
-                                                tiler_mn=(TILE, nc), a_source=warpgroup.OperandSource.RMEM)
+        mma = score_mma(kreg, nc)
         for tid in range(128):
             part = mma.get_slice(tid).partition_C(cute.make_identity_tensor((TILE, nc)))
             frag[tid] = [(int(part[e][0]), int(part[e][1])) for e in range(cute.size(part))]
@@ -945,34 +998,34 @@ def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(
         for wg in range(wgs):
             for h in range(nc):
                 for t in range(TILE):
-                    offset[(wg, t, h)] = int(outer(((h % 8, h // 8), (t, 0), (0, wg))))
+                    byte = 2 * int(outer(((h % 8, h // 8), (t, 0), (0, wg))))
+                    offset[byte ^ (((byte >> 7) & 7) << 4)] = (wg, t, h)  # the 128-byte swizzle
 
     @cute.jit
     def trace() -> None:
         collect()
 
     cute.compile(trace, options=f"--gpu-arch sm_90a --dump-dir {tmp_path}")
-    ns = len(frag[0])
-    assert ns == nc // 2 and len(offset) == wgs * nc * TILE
-
-    def swizzled(byte: int) -> int:  # the 128-byte swizzle of a tile at a 1024-byte boundary
-        return byte ^ (((byte >> 7) & 7) << 4)
-
+    fn = cute.compile(weights_store_host(nc, wgs, kreg), Int32(0),
+                      options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    stores = _replay_ptx_stores(fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__), 128 * wgs)
+    assert len(frag[0]) == nc // 2 and len(offset) == wgs * nc * TILE
+    assert {len(s) for s in stores.values()} == {max(1, nc // 16)}
     written: dict[int, tuple[int, int, int]] = {}
     for wg in range(wgs):
         for w in range(4):
-            for q, n in ([(0, 2)] if ns == 4 else [(q, 4) for q in range(ns // 8)]):
-                for m in range(n):
+            warp = [stores[128 * wg + 32 * w + lane] for lane in range(32)]
+            for k, (kind, _, words) in enumerate(warp[0]):
+                assert kind == ("x2" if nc == 8 else "x4") and len(words) == int(kind[1])
+                for m in range(len(words)):
                     for j in range(8):
-                        row = weights_row_at(0, wg, nc, 8 * m + j, w) + 2048 * q
+                        row = warp[8 * m + j][k][1]
                         for r in range(8):
                             lane = 4 * r + j // 2
-                            e = 2 * (4 * q + m) + j % 2
-                            token, head = frag[32 * w + lane][e]
+                            token, head = frag[32 * w + lane][warp[lane][k][2][m][j % 2]]
                             assert row + 2 * r not in written
                             written[row + 2 * r] = (wg, token, head)
-    expect = {swizzled(2 * off): key for key, off in offset.items()}
-    assert written == expect
+    assert written == offset
 
 
 @needs_dsl

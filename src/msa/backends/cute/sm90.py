@@ -81,7 +81,8 @@ from msa.backends.cute.config import (
     WGMMA_TOKENS,
 )
 
-__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "weights_layout", "weights_row_at"]
+__all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "score_mma", "store_weights", "weights_layout",
+           "weights_row_at"]
 
 #: Tokens per tile (the score product's M, a TMA box's rows).
 TILE = 64
@@ -160,7 +161,8 @@ class Sm90Spec:
         refill: when warp 0 of a warpgroup starts the copy of the tile `stages - 1` ahead into the
             stage the last tile released: "top" (at the top of a tile, before its copy wait) or
             "late" (once this tile's products are issued, while they run: the warpgroup's products
-            wait for all four warps, so the copy's issue is then off their path).
+            wait for all four warps, so the copy's issue is then off their path; but the copy
+            starts only after this tile landed, one fewer in flight where copies are waited on).
         trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
             (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
             8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
@@ -272,7 +274,7 @@ def _store_row(at: Any, vals: Any, n: int, inv: Any, kind: str, pred: Any, lse_a
 
 def weights_row_at(base: Any, wg: Any, nc: int, lane: Any, wwarp: Any) -> Any:
     """The shared address a lane of warp `wwarp` (of warpgroup `wg`) gives the weights' first
-    `stmatrix` (`_store_weights`; Python ints or kernel values): row `lane % 8` (head 8 (m // 2)
+    `stmatrix` (`store_weights`; Python ints or kernel values): row `lane % 8` (head 8 (m // 2)
     + lane % 8) of matrix m = `lane // 8`, the warp's tokens 16 wwarp + 8 (m % 2) .. + 7, in the
     weight tile at `base` (`weights_layout`: a 128-byte row of 64 tokens a head, 8-head blocks
     1024 bytes apart, a warpgroup's tile `nc` x 128 bytes on, the 128-byte swizzle of the byte
@@ -287,12 +289,26 @@ def weights_layout(nc: int, wgs: int) -> Any:
     return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, nc, TILE), cutlass.Float16, wgs)
 
 
-def _store_weights(p_at: Any, pk: Any, ns: int) -> None:
+def score_mma(kreg: bool, nc: int) -> Any:
+    """The score product's tiled WGMMA (M = a tile's tokens, N = `nc` columns; call while
+    tracing): f16 keys in registers and an f16 query (`kreg`), or fp8 keys and query terms in
+    shared memory. Its accumulator fragment is the order of a thread's scores and weights."""
+    if kreg:
+        return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, cute.nvgpu.OperandMajorMode.K,
+                                                 cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                 tiler_mn=(TILE, nc), a_source=warpgroup.OperandSource.RMEM)
+    return sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cute.nvgpu.OperandMajorMode.K,
+                                             cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(TILE, nc))
+
+
+def store_weights(p_at: Any, pk: Any, ns: int) -> None:
     """The thread's weights `pk` (f32, in wgmma's accumulator order: element e is token g + 8
     ((e // 2) % 2) of the warp's 16, head 8 (e // 4) + 2 t4 + e % 2) into the f16 weight tile,
     two at a time, a warp's 16 tokens x 8 heads (two matrices) an `stmatrix .trans` pair (four a
     store; two at 8 heads), the thread's row address of the first four `p_at` (the next four's
     2048 bytes on: 16 heads on)."""
+    if ns != 4 and ns % 8:
+        raise ValueError(f"{ns} weights a thread: stmatrix stores 8 heads (4 weights) or multiples of 16 (8)")
     half = cute.make_rmem_tensor(cute.make_layout(ns), cutlass.Float16)
     half.store(pk.load().to(cutlass.Float16))
     words = cute.recast_tensor(half, Int32)
@@ -763,7 +779,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         NS = cute.size(accS)
         NO = cute.size(accO)
         sP_kh = cute.make_tensor(sP[None, None, wg].iterator, cute.select(sP[None, None, wg].layout, mode=[1, 0]))
-        # the weights' stmatrix (`_store_weights`): lanes 8 m .. 8 m + 7 give the rows of matrix m,
+        # the weights' stmatrix (`store_weights`): lanes 8 m .. 8 m + 7 give the rows of matrix m,
         # the warp's tokens 16 w + 8 (m % 2) .. + 7 of heads 8 (m // 2) .. + 7, row j head 8 (m // 2)
         # + j's. The tile (`p_layout`): a 128-byte row of 64 tokens a head, 8-head blocks 1024 bytes
         # apart, a warpgroup's tile NC x 128 bytes, the 128-byte swizzle (16-byte chunk ^= head % 8)
@@ -978,7 +994,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = mcol[ci]
                         for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
                             pk[e] = Float32(0.0)
-                _store_weights(p_at, pk, NS)
+                store_weights(p_at, pk, NS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 _wg_barrier(wg, WGS)
                 _mark_tile(TRACE, trace_at, tracer, u, "weights")
@@ -1011,7 +1027,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     if cutlass.const_expr(LAG):
                         over = over | _flag(d > _LAG_LIMIT)
                     pk[e] = cute.arch.exp2(d)
-                _store_weights(p_at, pk, NS)
+                store_weights(p_at, pk, NS)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if cutlass.const_expr(LAG):
                     # the offset (the maximum through the last tile) left some weight above 2^15 (and
@@ -1021,7 +1037,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                         for e in cutlass.range_constexpr(NS):
                             pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
-                        _store_weights(p_at, pk, NS)
+                        store_weights(p_at, pk, NS)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "weights")
@@ -1304,14 +1320,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
             tma_ks, gKs, tma_vs, gVs = tma_k, gK, tma_v, gV  # (no scales: never copied)
             tx_bytes = 2 * cute.size_in_bytes(fp8, one)
-        if cutlass.const_expr(KREG):  # f16 keys (decoded into registers) and an f16 query
-            qk_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K,
-                                                       cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                       tiler_mn=(TILE, NC), a_source=warpgroup.OperandSource.RMEM)
-        else:
-            qk_mma = sm90_utils.make_trivial_tiled_mma(fp8, fp8, cute.nvgpu.OperandMajorMode.K,
-                                                       cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                       tiler_mn=(TILE, NC))
+        qk_mma = score_mma(KREG, NC)
         pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K if VREG
                                                    else cute.nvgpu.OperandMajorMode.MN,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
