@@ -824,7 +824,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 """Warp 0 of the warpgroup: tile `u + ST - 1` of its ring (if it has one) into the stage
                 tile `u - 1` held, once that stage is released (its `empty` mbarrier)."""
                 if wwarp == 0:
-                    lu = u + ST - 1  # noqa: B023 - this iteration's tile
+                    lu = u + ST - 1
                     if lu < nloc:
                         ls = sb + lu % ST
                         cute.arch.mbarrier_wait(empty + ls, ((lu // ST) + 1) % 2)
@@ -920,25 +920,6 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
-                if cutlass.const_expr(LATE):
-                    refill()
-                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
-                _mark_tile(TRACE, trace_at, tracer, u, "scores")
-                for kk in cutlass.range_constexpr(4):
-                    for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
-                        # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
-                        # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
-                        # dim 32 w + 4 g + 2 mb + h (NVFP4), 32 w + 16 mb + 2 g + h (fp8)
-                        if cutlass.const_expr(NVFP4):
-                            dims = ptx.nvfp4_f16_pairs(vw[4 * (kk // 2) + 2 * (kk % 2) + half], vsc[2 * kk + half])
-                            for i in cutlass.range_constexpr(4):
-                                tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
-                        else:
-                            for mb in cutlass.range_constexpr(2):  # chunk mb: dims 2 g, 2 g + 1 in rows g, g + 8
-                                # bytes (a0, a1, b0, b1) -> (a0, b0, a1, b1): f16 pairs of one dim
-                                pair = ptx.e4m3x4_to_f16x2(ptx.prmt(vw[4 * kk + 2 * mb + half], Int32(0), 0x3120))
-                                tOrV32[half * 2, mb, kk] = pair[0]
-                                tOrV32[half * 2 + 1, mb, kk] = pair[1]
             else:
                 vsrc = cvt_thr.partition_S(sV[None, None, stage])
                 NCV = cute.size(vsrc, mode=[1])
@@ -946,20 +927,41 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
                 for c in cutlass.range_constexpr(NCV):
                     cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
-                if cutlass.const_expr(LATE):
-                    refill()
-                warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
-                _mark_tile(TRACE, trace_at, tracer, u, "scores")
+            if cutlass.const_expr(LATE):
+                refill()
+            warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
+            _mark_tile(TRACE, trace_at, tracer, u, "scores")
 
-                vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
-                for c in cutlass.range_constexpr(NCV):
-                    vh.store(v8[(None, c)].load().to(f16))
-                    cute.autovec_copy(vh, vdst[None, c, 0])
-                if vis < TILE:  # the row ends inside this tile: zero the values past it (a copy is one token's)
-                    vh.fill(0.0)
+            def values() -> None:  # (called below, once this tile's column maxima are on their way)
+                """This tile's values into the value product's operand, now that the last tile's
+                product has retired: decoded into its A registers (`vreg`), or converted into the
+                f16 copy in shared memory (the tokens past the row's end zeroed)."""
+                if cutlass.const_expr(VREG):
+                    for kk in cutlass.range_constexpr(4):
+                        for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
+                            # fragment (mma values, m-block, k-step): element 2 h + 4 half (+1) is
+                            # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
+                            # dim 32 w + 4 g + 2 mb + h (NVFP4), 32 w + 16 mb + 2 g + h (fp8)
+                            if cutlass.const_expr(NVFP4):
+                                dims = ptx.nvfp4_f16_pairs(vw[4 * (kk // 2) + 2 * (kk % 2) + half], vsc[2 * kk + half])
+                                for i in cutlass.range_constexpr(4):
+                                    tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
+                            else:
+                                for mb in cutlass.range_constexpr(2):  # chunk mb: dims 2 g, 2 g + 1 in rows g, g + 8
+                                    # bytes (a0, a1, b0, b1) -> (a0, b0, a1, b1): f16 pairs of one dim
+                                    pair = ptx.e4m3x4_to_f16x2(ptx.prmt(vw[4 * kk + 2 * mb + half], Int32(0), 0x3120))
+                                    tOrV32[half * 2, mb, kk] = pair[0]
+                                    tOrV32[half * 2 + 1, mb, kk] = pair[1]
+                else:
+                    vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
                     for c in cutlass.range_constexpr(NCV):
-                        if vcoord[0, c, 0][0] >= vis:
-                            cute.autovec_copy(vh, vdst[None, c, 0])
+                        vh.store(v8[(None, c)].load().to(f16))
+                        cute.autovec_copy(vh, vdst[None, c, 0])
+                    if vis < TILE:  # the row ends inside this tile: zero the values past it (a copy is one token's)
+                        vh.fill(0.0)
+                        for c in cutlass.range_constexpr(NCV):
+                            if vcoord[0, c, 0][0] >= vis:
+                                cute.autovec_copy(vh, vdst[None, c, 0])
 
             buf = (2 * wg + u % 2) * NC  # this tile's column maxima: colmax[warp, buf + column]
             if cutlass.const_expr(T > 1):
@@ -980,6 +982,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             m = _warp_column_max(sv, e)
                             if lane < 4:
                                 colmax[wwarp, buf + tScS[e][1]] = m
+                values()
                 _wg_barrier(wg, WGS)
                 _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                 for j in cutlass.range_constexpr(T):
@@ -1012,6 +1015,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     m = _warp_column_max(sv, e)
                     if lane < 4:
                         colmax[wwarp, buf + tScS[e][1]] = m
+                values()
                 if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "maxima")
