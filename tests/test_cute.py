@@ -915,55 +915,86 @@ def test_a_late_refill_starts_the_ring_copy_after_the_tiles_products(kind: str, 
         build_sm90(attrs.evolve(spec, refill="early"))
 
 
+def _shr_s32(a: int, b: int) -> int:
+    return (a - ((a >> 31) << 32)) >> b
+
+
 #: The integer instructions of a probe kernel's address arithmetic (`_replay_ptx_stores`).
-_INT_OPS = {"shr.u32": operator.rshift, "shr.s32": operator.rshift, "shl.b32": operator.lshift,
-            "and.b32": operator.and_, "or.b32": operator.or_, "xor.b32": operator.xor, "add.s32": operator.add,
-            "sub.s32": operator.sub}
-
-
-def _operand(reg: dict[str, Any], x: str) -> Any:
-    return reg[x] if x.startswith("%") else int(x, 0)
+_INT_OPS = {"shr.u32": operator.rshift, "shr.s32": _shr_s32, "shl.b32": operator.lshift, "and.b32": operator.and_,
+            "or.b32": operator.or_, "xor.b32": operator.xor, "add.s32": operator.add, "sub.s32": operator.sub}
+#: The lines of such a kernel that do nothing the replay must follow (declarations, braces, the
+#: inline-asm markers, the return).
+_PTX_INERT = re.compile(r"\.reg \.b32\s+%r<\d+>;|\{|\}|// (begin|end) inline asm|ret;|")
+_PTX_STSM = re.compile(r"\{mov\.b32 %r\d+, 0; stmatrix\.sync\.aligned\.m8n8\.(x2|x4)\.trans\.shared\.b16 "
+                       r"\[(%r\d+)\], \{(%r\d+(?:, %r\d+)*)\};\}")
+_PTX_INSTRUCTION = re.compile(r"([a-z][a-z0-9.]*)\s+(%r\d+),\s*([^;@{}]*);")
 
 
 def _replay_ptx_stores(ptx: str, threads: int) -> dict[int, list[tuple[str, int, list[tuple[int, int]]]]]:
     """Each thread's `stmatrix` stores in a probe kernel's PTX (`cute_probes.weights_store_host`),
-    by evaluating its few instructions for that thread: (.x2 / .x4, row address, each word's
-    (low, high) weight index, weight e having been stored as the f32 e + 1). An instruction the
-    replay does not know fails the test."""
-    body = [line.strip() for line in ptx[ptx.index(".entry"):].splitlines()]
-    stores = {}
-    for tid in range(threads):
-        reg: dict[str, Any] = {}
-        out = []
-        for line in body:
-            made = re.search(r"stmatrix\.sync\.aligned\.m8n8\.(x\d)\.trans\.shared\.b16 \[(%r\d+)\], \{([^}]*)\}", line)
-            if made:
-                out.append((made.group(1), reg[made.group(2)], [reg[r.strip()] for r in made.group(3).split(",")]))
-                continue
-            ins = re.match(r"(\S+)\s+(%r\d+),\s*(.*);$", line)
-            if not ins:
-                assert not re.match(r"(add|sub|mul|mad|shl|shr|and|or|xor|mov|cvt|shfl|selp|setp)\.", line), line
-                continue
-            op, dst, args = ins.group(1), ins.group(2), [a.strip() for a in ins.group(3).split(",")]
+    the threads replayed in lockstep, instruction by instruction: (.x2 / .x4, row address, each
+    word's (low, high) weight index, weight e having been stored as the f32 e + 1). Every line of
+    the kernel must be one the replay knows, unguarded: a guard, a branch, a label or any other
+    store fails the test, as does a constant that is not a weight it stored."""
+    body = ptx[ptx.index(".entry"):]
+    reg: list[dict[str, Any]] = [{} for _ in range(threads)]
+    stores: dict[int, list[tuple[str, int, list[tuple[int, int]]]]] = {t: [] for t in range(threads)}
+
+    def operand(t: int, x: str) -> Any:
+        return reg[t][x] if x.startswith("%") else int(x, 0)
+
+    for line in (raw.strip() for raw in body[body.index("{"):].splitlines()):
+        if _PTX_INERT.fullmatch(line):
+            continue
+        made = _PTX_STSM.fullmatch(line)
+        if made:
+            for t in range(threads):
+                stores[t].append((made.group(1), reg[t][made.group(2)], [reg[t][r] for r in made.group(3).split(", ")]))
+            continue
+        ins = _PTX_INSTRUCTION.fullmatch(line)
+        assert ins, f"the replay does not know {line!r}"
+        op, dst, args = ins.group(1), ins.group(2), [a.strip() for a in ins.group(3).split(",")]
+        values: list[Any] = []
+        for t in range(threads):
             if op == "ld.param.b32":
-                reg[dst] = 0  # the tile's base
+                values.append(0)  # the tile's base
             elif op == "mov.u32" and args == ["%tid.x"]:
-                reg[dst] = tid
-            elif op == "mov.b32" and args[0].startswith("0f"):
-                reg[dst] = round(struct.unpack(">f", bytes.fromhex(args[0][2:]))[0]) - 1  # weight index
+                values.append(t)
+            elif op == "mov.b32" and re.fullmatch(r"0f[0-9A-F]{8}", args[0]):
+                weight = struct.unpack(">f", bytes.fromhex(args[0][2:]))[0]
+                assert weight.is_integer() and weight >= 1, f"{weight} is not a weight the probe stores"
+                values.append(int(weight) - 1)
             elif op == "cvt.rn.f16x2.f32":  # the first source goes to the high half
-                reg[dst] = (reg[args[1]], reg[args[0]])
-            elif op == "shfl.sync.idx.b32" and args[1:] == ["0", "31", "-1"]:
-                reg[dst] = _operand(reg, args[0])  # (a warp-uniform value: the warp index)
+                values.append((reg[t][args[1]], reg[t][args[0]]))
+            elif op == "shfl.sync.idx.b32" and args[2:] == ["31", "-1"]:  # from the lane given, of this warp
+                values.append(reg[32 * (t // 32) + operand(t, args[1]) % 32][args[0]])
             elif op in _INT_OPS:
-                a, b = _operand(reg, args[0]) & 0xFFFFFFFF, _operand(reg, args[1]) & 0xFFFFFFFF
-                if op == "shr.s32":
-                    a -= (a >> 31) << 32
-                reg[dst] = _INT_OPS[op](a, b) & 0xFFFFFFFF
+                values.append(_INT_OPS[op](operand(t, args[0]) & 0xFFFFFFFF, operand(t, args[1]) & 0xFFFFFFFF)
+                              & 0xFFFFFFFF)
             else:
                 raise AssertionError(f"the replay does not know {line!r}")
-        stores[tid] = out
+        for t in range(threads):
+            reg[t][dst] = values[t]
     return stores
+
+
+@needs_dsl
+@pytest.mark.parametrize("injected", ["st.shared.b16 [%r2], %rs1;", "@%p1 add.s32 %r2, %r2, 16;", "bra.uni $L__BB0_1;",
+                                      "mov.b32 %r3, 0f00000000;"])
+def test_the_weights_replay_refuses_what_it_cannot_follow(injected: str, tmp_path: Path) -> None:
+    """`_replay_ptx_stores` fails on any line it does not model (another store, a guarded
+    instruction, a branch) and on a constant that is not a weight the probe stores, so a probe
+    kernel doing more than it follows cannot pass the weights test."""
+    import cutlass.cute as cute
+    from cute_probes import weights_store_host
+    from cutlass import Int32
+
+    fn = cute.compile(weights_store_host(8, 1, True), Int32(0), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    assert _replay_ptx_stores(ptx, 128)[0]  # as compiled: it follows every line
+    at = ptx.index("ret;")
+    with pytest.raises(AssertionError):
+        _replay_ptx_stores(ptx[:at] + injected + "\n\t" + ptx[at:], 128)
 
 
 @needs_dsl

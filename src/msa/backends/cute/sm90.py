@@ -820,9 +820,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         for u in cutlass.range(nloc, unroll=1):
             stage = sb + u % ST
 
-            def refill() -> None:  # (called in this iteration only: the DSL takes no closure across its loops)
-                """Warp 0 of the warpgroup: tile `u + ST - 1` of its ring (if it has one) into the stage
-                tile `u - 1` held, once that stage is released (its `empty` mbarrier)."""
+            def refill(u: Any) -> None:  # (defined in the loop: the DSL takes no closure across its loops)
+                """Warp 0 of the warpgroup, at its tile `u`: tile `u + ST - 1` of its ring (if it has
+                one) into the stage tile `u - 1` held, once that stage is released (its `empty`
+                mbarrier)."""
                 if wwarp == 0:
                     lu = u + ST - 1
                     if lu < nloc:
@@ -832,7 +833,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                policy)
 
             if cutlass.const_expr(not LATE):
-                refill()
+                refill(u)
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
             _mark_tile(TRACE, trace_at, tracer, u, "copied")
             if cutlass.const_expr(TRACE):
@@ -909,6 +910,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     if vis < TILE:  # the row ends inside this tile: zero the tokens past it
                         for i in cutlass.range_constexpr(16):
                             vw[i] = ptx.keep_low_bytes(vw[i], 2 * (vis - (16 * (i // 4) + 8 * (i % 2) + 2 * t4)))
+                vsc = None
                 if cutlass.const_expr(NVFP4):
                     # the block scales of tokens (a, a + 1), a = 16 kk + 8 half + 2 t4: interleaved by
                     # token quads; a token past the row's end gets a zero scale (so zero values)
@@ -927,15 +929,17 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 v8 = cute.make_rmem_tensor(cute.make_layout((VW, NCV)), fp8)
                 for c in cutlass.range_constexpr(NCV):
                     cute.autovec_copy(vsrc[None, c, 0], v8[(None, c)])
+                vw, vsc = v8, None  # (the fp8 registers `values` converts)
             if cutlass.const_expr(LATE):
-                refill()
+                refill(u)
             warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
             _mark_tile(TRACE, trace_at, tracer, u, "scores")
 
-            def values() -> None:  # (called below, once this tile's column maxima are on their way)
+            def values(vis: Any, words: Any, scales: Any) -> None:  # (called once the column maxima are out)
                 """This tile's values into the value product's operand, now that the last tile's
-                product has retired: decoded into its A registers (`vreg`), or converted into the
-                f16 copy in shared memory (the tokens past the row's end zeroed)."""
+                product has retired: its `ldmatrix` words (and NVFP4 block-scale pairs) decoded into
+                the A registers (`vreg`), or its fp8 registers (`words`) converted into the f16 copy
+                in shared memory, the tokens past the row's visible `vis` zeroed."""
                 if cutlass.const_expr(VREG):
                     for kk in cutlass.range_constexpr(4):
                         for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
@@ -943,19 +947,22 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             # row g + 8 h, tokens 2 t4 + 8 half (+1); row 64 mb + 16 w + 8 h + g is
                             # dim 32 w + 4 g + 2 mb + h (NVFP4), 32 w + 16 mb + 2 g + h (fp8)
                             if cutlass.const_expr(NVFP4):
-                                dims = ptx.nvfp4_f16_pairs(vw[4 * (kk // 2) + 2 * (kk % 2) + half], vsc[2 * kk + half])
+                                dims = ptx.nvfp4_f16_pairs(words[4 * (kk // 2) + 2 * (kk % 2) + half],
+                                                           scales[2 * kk + half])
                                 for i in cutlass.range_constexpr(4):
                                     tOrV32[half * 2 + i % 2, i // 2, kk] = dims[i]
                             else:
                                 for mb in cutlass.range_constexpr(2):  # chunk mb: dims 2 g, 2 g + 1 in rows g, g + 8
                                     # bytes (a0, a1, b0, b1) -> (a0, b0, a1, b1): f16 pairs of one dim
-                                    pair = ptx.e4m3x4_to_f16x2(ptx.prmt(vw[4 * kk + 2 * mb + half], Int32(0), 0x3120))
+                                    word = ptx.prmt(words[4 * kk + 2 * mb + half], Int32(0), 0x3120)
+                                    pair = ptx.e4m3x4_to_f16x2(word)
                                     tOrV32[half * 2, mb, kk] = pair[0]
                                     tOrV32[half * 2 + 1, mb, kk] = pair[1]
                 else:
+                    VW, NCV = cute.size(words, mode=[0]), cute.size(words, mode=[1])
                     vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
                     for c in cutlass.range_constexpr(NCV):
-                        vh.store(v8[(None, c)].load().to(f16))
+                        vh.store(words[(None, c)].load().to(f16))
                         cute.autovec_copy(vh, vdst[None, c, 0])
                     if vis < TILE:  # the row ends inside this tile: zero the values past it (a copy is one token's)
                         vh.fill(0.0)
@@ -982,7 +989,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             m = _warp_column_max(sv, e)
                             if lane < 4:
                                 colmax[wwarp, buf + tScS[e][1]] = m
-                values()
+                values(vis, vw, vsc)
                 _wg_barrier(wg, WGS)
                 _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                 for j in cutlass.range_constexpr(T):
@@ -1015,7 +1022,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     m = _warp_column_max(sv, e)
                     if lane < 4:
                         colmax[wwarp, buf + tScS[e][1]] = m
-                values()
+                values(vis, vw, vsc)
                 if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "maxima")
