@@ -260,8 +260,9 @@ def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:
 def test_the_ring_options_asked_reach_the_wgmma_kernels_spec_and_the_mma_kernel_takes_only_their_default(
         option: str, value: str | None, default: str) -> None:
     """`CuteBackend(evict=...)` (the L2 priority of the TMA copies) and `refill=...` (when a ring
-    copy starts): the wgmma kernel's config and compile-time spec carry the value asked (the
-    default unless asked); the mma kernel, which has no ring of TMA copies, takes the default (or
+    copy starts): the wgmma kernel's config and compile-time spec carry the value asked (unless
+    asked: the priority `wgmma_evict` chooses, "first" for these one-wave fp8 steps of one row a
+    request, and "top"); the mma kernel, which has no ring of TMA copies, takes the default (or
     None) and refuses the others when the step is planned."""
     pytest.importorskip("cutlass", reason="the spec is the DSL kernel's")
     from msa.backends.cute.launch import spec_for
@@ -269,12 +270,29 @@ def test_the_ring_options_asked_reach_the_wgmma_kernels_spec_and_the_mma_kernel_
     for problem in (_fp8(16, msa.MINIMAX_M3_TP[8]), _fp8(64, msa.MINIMAX_M3_TP[1])):
         config = CuteBackend(kernel="wgmma", **{option: value}).config_on(problem, _hopper())
         spec = spec_for(problem, config, torch.bfloat16, False)
-        assert getattr(config, option) == getattr(spec, option) == (value or default)
+        assert getattr(config, option) == getattr(spec, option) == (value or {"evict": "first"}.get(option, default))
     if value in (None, default):
         assert getattr(CuteBackend(kernel="mma", **{option: value}).config_on(_problem(16), _hopper()), option) == default
     else:
         with pytest.raises(MSAInputError, match=rf"^{option}: expected '{default}' \(or None\) on the mma kernel"):
             CuteBackend(kernel="mma", **{option: value}).config_on(_problem(16), _hopper())
+
+
+@pytest.mark.parametrize(("tp", "layout", "batch", "query_len", "expected"), [
+    (1, "fp8_e4m3", 64, 1, "first"), (8, "fp8_e4m3", 256, 1, "first"), (8, "fp8_e4m3", 16, 1, "first"),
+    (1, "fp8_e4m3", 256, 1, "normal"),  # 1024 CTAs: two waves
+    (1, "fp8_e4m3", 64, 4, "normal"), (8, "fp8_e4m3", 64, 4, "normal"),  # rows of a request share pages
+    (1, "nvfp4", 64, 1, "normal"), (8, "nvfp4", 256, 1, "normal")])
+def test_the_page_copies_leave_l2_first_only_in_one_wave_fp8_steps_of_one_row_a_request(
+        tp: int, layout: str, batch: int, query_len: int, expected: str) -> None:
+    """`config.wgmma_evict`, the measured rule `auto`'s wgmma steps take unless `evict` is asked:
+    "first" where each page is read once and every CTA is resident at once, "normal" past one
+    wave, where a request's rows share pages, and for NVFP4; asking overrides it."""
+    problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len, kv_layout=layout,
+                            q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
+                            max_blocks=0)
+    assert CuteBackend().config_on(problem, _hopper()).evict == expected
+    assert CuteBackend(evict="last").config_on(problem, _hopper()).evict == "last"
 
 
 def test_the_traced_kernel_is_the_wgmma_one_merging_its_own_splits() -> None:

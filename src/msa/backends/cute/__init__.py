@@ -44,7 +44,6 @@ from msa.backends.cute.config import (
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_DEFAULT_TOKENS,
     WGMMA_EVICT,
-    WGMMA_EVICT_DEFAULT,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
@@ -61,6 +60,7 @@ from msa.backends.cute.config import (
     wgmma_auto_min_programs,
     wgmma_cluster,
     wgmma_cluster_default,
+    wgmma_evict,
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
@@ -255,7 +255,8 @@ class CuteBackend(Backend[CutePlan]):
                               lag=lag, min_ctas=self.min_ctas or 0, wgs=wgs, vreg=vreg, kreg=kreg, tconv=tconv,
                               tokens=tokens, cluster=wgmma_cluster_default(problem, tokens, wgs, splits)
                               if self.cluster is None else self.cluster,
-                              evict=WGMMA_EVICT_DEFAULT if self.evict is None else self.evict,
+                              evict=wgmma_evict(problem, sm_count, stages, wgs, vreg, splits, tokens)
+                              if self.evict is None else self.evict,
                               refill=WGMMA_REFILL_DEFAULT if self.refill is None else self.refill)
         for name, asked, default in (("evict", self.evict, "normal"), ("refill", self.refill, "top")):
             _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",

@@ -13,7 +13,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
-    "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "SM90_SMEM", "wgmma_serves",
+    "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
     "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
@@ -108,7 +108,7 @@ WGMMA_MAX_CLUSTER = 8
 WGMMA_LAG = False
 #: The L2 eviction priorities the wgmma kernel's page copies can take (`sm90.Sm90Spec.evict`).
 WGMMA_EVICT = ("normal", "first", "last")
-#: The priority they take unless asked (measured once, session 22: no rule yet).
+#: The priority they take unless asked, where `wgmma_evict` does not choose "first".
 WGMMA_EVICT_DEFAULT = "normal"
 #: When the wgmma kernel's warp 0 starts a ring copy (`sm90.Sm90Spec.refill`): at the top of a
 #: tile, or once the tile's products are issued.
@@ -325,6 +325,23 @@ WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("n
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
+
+
+def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool, splits: int,
+                tokens: int = 1) -> str:
+    """The L2 eviction priority of a wgmma step's page copies unless asked: "first" for fp8 steps
+    of one query row a request (each page read once) whose CTAs all fit the SMs at once (by
+    shared memory, `wgmma_ctas_per_sm`), else `WGMMA_EVICT_DEFAULT`. H200, M3 fp8 at 64K, L = 1,
+    graph replays with L2 flushed, two sessions' runs (2026-12-04, sessions 22 and 23,
+    `bench_cute.py --variant '{"evict":"first"}'`), us, "first" against "normal": TP1 B = 64
+    46.2 / 49.3 and 46.0 / 48.6, TP8 B = 256 45.9 / 47.7 and 45.5 / 47.5, TP8 B = 64 20.2 / 20.9
+    and 19.9 / 22.5, TP1 B = 16 21.4 / 21.7, TP8 B = 16 13.3 / 13.6; but two waves lose (TP1
+    B = 256 146.4 / 140.9 and 145.4 / 139.9), as do rows sharing pages (TP1 L = 4, 80% shared,
+    B = 64: 106.0 / 102.3), and NVFP4 measured level (session 22: within 0.6 us)."""
+    kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
+    ctas = wgmma_programs(problem, tokens) * splits
+    one_wave = ctas <= sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, kind)
+    return "first" if kind == "fp8" and problem.query_len == 1 and one_wave else WGMMA_EVICT_DEFAULT
 
 
 def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
