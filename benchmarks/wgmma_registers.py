@@ -29,31 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import triton
+from cute_sass import _loops, _mix, _ops
 from ptx_same import default_specs, sm90a_ptx
 
 BASE = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3, kind="fp8",
             kreg=True)
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-PTXAS = BIN / "ptxas"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def main_loop(sass: str) -> collections.Counter[str]:
-    """The opcodes (predicates and modifiers dropped) of the smallest region of a conditional
-    backward branch (a loop's back edge, not the unconditional jump back from an mbarrier wait's
-    retry block) that holds a wgmma (`HGMMA`) instruction, from `cuobjdump -sass` text."""
-    ops = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
-           if (m := re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
-    spans = []
-    for address, text in ops:
-        branch = re.search(r"^@!?U?P\w+\s+BRA (?:`\(\.L_x_\d+\) )?(0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            span = [t for a, t in ops if int(branch.group(1), 16) <= a <= address]
-            if any("HGMMA" in t for t in span):
-                spans.append(span)
-    mix: collections.Counter[str] = collections.Counter()
-    for text in min(spans, key=len, default=[]):
-        mix[re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]] += 1
-    return mix
+def main_loop(ops: list[tuple[int, str]]) -> collections.Counter[str]:
+    """The opcodes (predicates and modifiers dropped: `cute_sass._mix`) of the smallest region of a
+    conditional backward branch (a loop's back edge, not the unconditional jump back from an
+    mbarrier wait's retry block) that holds a wgmma (`HGMMA`) instruction, of `cute_sass._ops`."""
+    text = dict(ops)
+    spans = [(lo, hi) for lo, hi in _loops(ops) if re.match(r"@!?U?P\w+\s+BRA", text[hi])
+             and any(lo <= a <= hi and "HGMMA" in t for a, t in ops)]
+    return _mix(ops, *min(spans, key=lambda span: span[1] - span[0]), None) if spans else collections.Counter()
 
 
 def compile_variant(ptx: str, bound: int, tmp: Path) -> dict[str, Any]:
@@ -64,11 +55,9 @@ def compile_variant(ptx: str, bound: int, tmp: Path) -> dict[str, Any]:
     cubin = src.with_suffix(".cubin")
     out = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
                          capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
     return dict(registers=int(re.findall(r"Used (\d+) registers", out)[-1]),
                 spilled=int(re.findall(r"(\d+) bytes spill stores", out)[-1]),
-                serial=len(re.findall(r"\(C751\d\)", out)), loop=main_loop(sass))
+                serial=len(re.findall(r"\(C751\d\)", out)), loop=main_loop(_ops(cubin)))
 
 
 def main() -> None:
