@@ -948,6 +948,16 @@ _PTX_STSM = re.compile(r"\{mov\.b32 %r\d+, 0; stmatrix\.sync\.aligned\.m8n8\.(x2
 _PTX_INSTRUCTION = re.compile(r"([a-z][a-z0-9.]*)\s+(%r\d+),\s*([^;@{}]*);")
 
 
+def _weights_probe_ptx(nc: int, wgs: int, kreg: bool, dump: Path) -> str:
+    """The PTX of `cute_probes.weights_store_host(nc, wgs, kreg)`, compiled for sm_90a here."""
+    import cutlass.cute as cute
+    from cute_probes import weights_store_host
+    from cutlass import Int32
+
+    fn = cute.compile(weights_store_host(nc, wgs, kreg), Int32(0), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
+    return fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+
+
 def _replay_ptx_stores(ptx: str, threads: int) -> dict[int, list[tuple[str, int, list[tuple[int, int]]]]]:
     """Each thread's `stmatrix` stores in a probe kernel's PTX (`cute_probes.weights_store_host`),
     the threads replayed in lockstep, instruction by instruction: (.x2 / .x4, row address, each
@@ -1003,12 +1013,7 @@ def test_the_weights_replay_refuses_what_it_cannot_follow(injected: str, tmp_pat
     """`_replay_ptx_stores` fails on any line it does not model (another store, a guarded
     instruction, a branch) and on a constant that is not a weight the probe stores, so a probe
     kernel doing more than it follows cannot pass the weights test."""
-    import cutlass.cute as cute
-    from cute_probes import weights_store_host
-    from cutlass import Int32
-
-    fn = cute.compile(weights_store_host(8, 1, True), Int32(0), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
-    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    ptx = _weights_probe_ptx(8, 1, True, tmp_path)
     assert _replay_ptx_stores(ptx, 128)[0]  # as compiled: it follows every line
     at = ptx.index("ret;")
     with pytest.raises(AssertionError):
@@ -1030,8 +1035,6 @@ def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(
     DSL's stores through the tile and the product's descriptor do), the token and head being
     those of the weight's place in the DSL's own accumulator fragment."""
     import cutlass.cute as cute
-    from cute_probes import weights_store_host
-    from cutlass import Int32
 
     from msa.backends.cute.sm90 import TILE, score_mma, weights_layout
 
@@ -1055,9 +1058,7 @@ def test_the_weights_stmatrix_puts_each_weight_where_the_value_product_reads_it(
         collect()
 
     cute.compile(trace, options=f"--gpu-arch sm_90a --dump-dir {tmp_path}")
-    fn = cute.compile(weights_store_host(nc, wgs, kreg), Int32(0),
-                      options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
-    stores = _replay_ptx_stores(fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__), 128 * wgs)
+    stores = _replay_ptx_stores(_weights_probe_ptx(nc, wgs, kreg, tmp_path), 128 * wgs)
     assert len(frag[0]) == nc // 2 and len(offset) == wgs * nc * TILE
     assert {len(s) for s in stores.values()} == {max(1, nc // 16)}
     written: dict[int, tuple[int, int, int]] = {}
