@@ -33,6 +33,7 @@ from msa.backends.cute.config import (
     Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
+    WGMMA_SHARED_ROWS_SPLITS,
     WIDE_MIN_CTAS,
     CuteConfig,
     WgmmaShape,
@@ -188,14 +189,34 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
     assert wgmma_tokens_serve(_fp8(16, tp1, 2), 2) is None
 
 
+@pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
+    (1, 16, 4, WgmmaShape(2, 2, 1, True, False)),  # 256 programs: two splits, one wave at 4 CTAs an SM
+    (8, 64, 4, WgmmaShape(2, 2, 1, True, False)), (1, 32, 2, WgmmaShape(2, 2, 1, True, False)),
+    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two splits would not fit one wave
+    (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
+    (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1
+def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
+        tp: int, batch: int, query_len: int, expected: WgmmaShape) -> None:
+    """`choose_wgmma_shape`: fp8 steps of L > 1 rows a request with one to two programs an SM
+    take `WGMMA_SHARED_ROWS_SPLITS` splits of 2 stages (values in registers, the fp8 product);
+    L = 1 steps of the same size and NVFP4 keep one split."""
+    geometry = msa.MINIMAX_M3_TP[tp]
+    assert choose_wgmma_shape(_fp8(batch, geometry, query_len), 132) == expected
+    one_row = choose_wgmma_shape(_fp8(batch * query_len, geometry), 132)  # as many programs, L = 1
+    split = expected == WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)
+    assert (one_row.num_splits, one_row.stages) == (1, 3) if split else one_row == expected
+    assert choose_wgmma_shape(_problem(batch, query_len, geometry), 132).num_splits == \
+        choose_wgmma_shape(_problem(batch * query_len, geometry=geometry), 132).num_splits
+
+
 @pytest.mark.parametrize(("tp", "batch", "expected", "nvfp4"), [
     (1, 256, WgmmaShape(1, 2, 1, True, False), WgmmaShape(1, 2, 1, True, True)),
     (1, 128, WgmmaShape(1, 2, 1, True, False), WgmmaShape(1, 2, 1, True, True)),
     (1, 64, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
     (8, 256, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
-    (1, 16, WgmmaShape(2, 3, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
-    (1, 8, WgmmaShape(4, 3, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
-    (4, 64, WgmmaShape(2, 3, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
+    (1, 16, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
+    (1, 8, WgmmaShape(4, 2, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
+    (4, 64, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
     (4, 16, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True)),
     (8, 64, WgmmaShape(4, 3, 1, True, True), WgmmaShape(4, 3, 1, True, True)),
     (8, 16, WgmmaShape(8, 3, 1, True, True), WgmmaShape(8, 3, 1, True, True)),
@@ -280,14 +301,16 @@ def test_the_ring_options_asked_reach_the_wgmma_kernels_spec_and_the_mma_kernel_
 
 @pytest.mark.parametrize(("tp", "layout", "batch", "query_len", "expected"), [
     (1, "fp8_e4m3", 64, 1, "first"), (8, "fp8_e4m3", 256, 1, "first"), (8, "fp8_e4m3", 16, 1, "first"),
+    (1, "fp8_e4m3", 16, 1, "first"), (8, "fp8_e4m3", 64, 1, "first"),
+    (1, "fp8_e4m3", 128, 1, "normal"),  # 512 CTAs: one wave, but ~4 an SM
     (1, "fp8_e4m3", 256, 1, "normal"),  # 1024 CTAs: two waves
     (1, "fp8_e4m3", 64, 4, "normal"), (8, "fp8_e4m3", 64, 4, "normal"),  # rows of a request share pages
     (1, "nvfp4", 64, 1, "normal"), (8, "nvfp4", 256, 1, "normal")])
 def test_the_page_copies_leave_l2_first_only_in_one_wave_fp8_steps_of_one_row_a_request(
         tp: int, layout: str, batch: int, query_len: int, expected: str) -> None:
     """`config.wgmma_evict`, the measured rule `auto`'s wgmma steps take unless `evict` is asked:
-    "first" where each page is read once and every CTA is resident at once, "normal" past one
-    wave, where a request's rows share pages, and for NVFP4; asking overrides it."""
+    "first" where each page is read once and every CTA is resident at once, at most 2 an SM;
+    "normal" past that, where a request's rows share pages, and for NVFP4; asking overrides it."""
     problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len, kv_layout=layout,
                             q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
                             max_blocks=0)

@@ -44,6 +44,7 @@ from msa.backends.cute.config import (
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_DEFAULT_TOKENS,
     WGMMA_EVICT,
+    WGMMA_EVICT_DEFAULT,
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
@@ -258,7 +259,8 @@ class CuteBackend(Backend[CutePlan]):
                               evict=wgmma_evict(problem, sm_count, stages, wgs, vreg, splits, tokens)
                               if self.evict is None else self.evict,
                               refill=WGMMA_REFILL_DEFAULT if self.refill is None else self.refill)
-        for name, asked, default in (("evict", self.evict, "normal"), ("refill", self.refill, "top")):
+        for name, asked, default in (("evict", self.evict, WGMMA_EVICT_DEFAULT),
+                                     ("refill", self.refill, WGMMA_REFILL_DEFAULT)):
             _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",
                           asked == default)
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):

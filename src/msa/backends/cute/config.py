@@ -13,12 +13,14 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
-    "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
-    "wgmma_heads", "wgmma_programs", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits", "wgmma_ctas_per_sm",
+    "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "WGMMA_EVICT_FIRST_CTAS_PER_SM", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
+    "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
+    "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
+    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_SPLITS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
-    "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE",
+    "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -110,10 +112,13 @@ WGMMA_LAG = False
 WGMMA_EVICT = ("normal", "first", "last")
 #: The priority they take unless asked, where `wgmma_evict` does not choose "first".
 WGMMA_EVICT_DEFAULT = "normal"
+#: The most CTAs an SM of a step whose page copies `wgmma_evict` gives "first".
+WGMMA_EVICT_FIRST_CTAS_PER_SM = 2
 #: When the wgmma kernel's warp 0 starts a ring copy (`sm90.Sm90Spec.refill`): at the top of a
 #: tile, or once the tile's products are issued.
 WGMMA_REFILL = ("top", "late")
-#: The form it takes unless asked (session 23: "late" built and checked on the CPU, not yet timed).
+#: The form it takes unless asked: "late" helps 8-head steps of a few tiles a split by 0.3-0.5 us
+#: and costs NVFP4's 2-stage steps 2-14 us (H200, 2026-12-04, session 23), so it is opt-in.
 WGMMA_REFILL_DEFAULT = "top"
 #: Each split of the wgmma kernel walks at least this many 64-token tiles.
 _WGMMA_MIN_TILES = 4
@@ -311,6 +316,12 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp
     return max(1, SM90_SMEM_PER_SM // (wgmma_smem_bytes(kind, stages, wgs, vreg) + SM90_SMEM_RESERVED))
 
 
+def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool) -> int:
+    """CTAs of `problem`'s wgmma kernel that the GPU's `sm_count` SMs hold at once (by shared memory,
+    `wgmma_ctas_per_sm`): one wave."""
+    return sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, WGMMA_KINDS.get(problem.kv_layout, "fp8"))
+
+
 #: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel
 #: where the wgmma kernel would take them (fp8 and NVFP4 on Hopper), by cache kind and the query
 #: heads a CTA takes (`wgmma_heads`). H200, M3 at 64K, graph replays against Triton's, same run:
@@ -325,23 +336,36 @@ WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("n
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
+#: The ring stages of each warpgroup of those steps: 2 (half the first burst of copies that every
+#: CTA starts at once). H200, M3 fp8 at 64K, same runs (2026-12-05, session 24,
+#: `bench_cute.py --variant ...`), us, 2 stages against 3: TP1 B = 16 20.6 / 21.0 (keys in
+#: registers as the default, values in registers or not), TP1 B = 8 16.4 / 17.0 and TP4 B = 64
+#: 20.4 / 21.3 (values in registers, the fp8 product); benchmarks/RESULTS.md has the repeat.
+WGMMA_TWO_WG_STAGES = 2
+#: Splits of an fp8 step of several rows a request (L > 1) with one to two programs an SM
+#: (`choose_wgmma_shape`). In speculative decoding a request's rows share most of their pages;
+#: the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 24) records what the
+#: split costs where they share none.
+WGMMA_SHARED_ROWS_SPLITS = 2
 
 
 def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool, splits: int,
                 tokens: int = 1) -> str:
     """The L2 eviction priority of a wgmma step's page copies unless asked: "first" for fp8 steps
     of one query row a request (each page read once) whose CTAs all fit the SMs at once (by
-    shared memory, `wgmma_ctas_per_sm`), else `WGMMA_EVICT_DEFAULT`. H200, M3 fp8 at 64K, L = 1,
-    graph replays with L2 flushed, two sessions' runs (2026-12-04, sessions 22 and 23,
-    `bench_cute.py --variant '{"evict":"first"}'`), us, "first" against "normal": TP1 B = 64
-    46.2 / 49.3 and 46.0 / 48.6, TP8 B = 256 45.9 / 47.7 and 45.5 / 47.5, TP8 B = 64 20.2 / 20.9
-    and 19.9 / 22.5, TP1 B = 16 21.4 / 21.7, TP8 B = 16 13.3 / 13.6; but two waves lose (TP1
-    B = 256 146.4 / 140.9 and 145.4 / 139.9), as do rows sharing pages (TP1 L = 4, 80% shared,
-    B = 64: 106.0 / 102.3), and NVFP4 measured level (session 22: within 0.6 us)."""
-    kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
+    shared memory, `wgmma_ctas_per_sm`) and number at most `WGMMA_EVICT_FIRST_CTAS_PER_SM` an SM,
+    else `WGMMA_EVICT_DEFAULT`. H200, M3 fp8 at 64K, L = 1, graph replays with L2 flushed (sessions
+    22-24, 2026-12-04/05, `bench_cute.py --variant '{"evict":"first"}'` / `'{"evict":"normal"}'`),
+    us, "first" against "normal": TP1 B = 64 46.2 / 49.3 and 46.0 / 48.6, TP8 B = 256 45.9 / 47.7
+    and 45.5 / 47.5, TP8 B = 64 20.2 / 20.9 and 19.9 / 22.5, TP1 B = 16 21.4 / 21.7, TP8 B = 16
+    13.3 / 13.6; but TP1 B = 128 (512 CTAs, one wave of ~4 an SM) loses in two sessions' runs
+    (79.7 / 78.4, 81.0 / 79.3), two waves lose (TP1 B = 256 146.4 / 140.9 and 145.4 / 139.9), as
+    do rows sharing pages (TP1 L = 4, 80% shared, B = 64: 106.0 / 102.3), and NVFP4 measured level
+    (session 22: within 0.6 us)."""
     ctas = wgmma_programs(problem, tokens) * splits
-    one_wave = ctas <= sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, kind)
-    return "first" if kind == "fp8" and problem.query_len == 1 and one_wave else WGMMA_EVICT_DEFAULT
+    resident = ctas <= min(wgmma_slots(problem, sm_count, stages, wgs, vreg), WGMMA_EVICT_FIRST_CTAS_PER_SM * sm_count)
+    fp8 = WGMMA_KINDS.get(problem.kv_layout, "fp8") == "fp8"
+    return "first" if fp8 and problem.query_len == 1 and resident else WGMMA_EVICT_DEFAULT
 
 
 def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
@@ -419,10 +443,16 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
       4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6);
     - one to three per SM (TP1 B = 64, TP8 B = 256: 256): 3 stages, one split — 50.2 / 48.2 us
       (vreg 50.5 / 49.0, two splits 55.8-69.1: a second partial wave; Triton 52.6 / 53.6);
+    - fp8 steps of several rows a request (L > 1, `WGMMA_SHARED_ROWS_SPLITS`) with one to two
+      programs an SM (TP1 L = 4 B = 16, TP8 L = 4 B = 64: 256): two splits of 2 stages, values in
+      registers, the fp8 product (4 CTAs an SM, one wave) — at 80% of a row's pages its
+      predecessor's 33.3 / 30.0 us against 42.6 / 38.2 for one split of 3 (2026-12-05, session
+      24): the rows' shared pages come from L2, so the walk is bound by each CTA's chain of
+      tiles, not by bytes;
     - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
-      (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, 3 stages, splits up to one CTA per
-      SM, each warpgroup keeping 4 tiles — 18.7 / 23.8 / 24.0 us against 20.9 / 24.4 / 24.6
-      with one warpgroup;
+      (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, `WGMMA_TWO_WG_STAGES` stages, splits
+      up to one CTA per SM, each warpgroup keeping 4 tiles — 18.7 / 23.8 / 24.0 us against 20.9
+      / 24.4 / 24.6 with one warpgroup (at 3 stages);
     - the other steps below the SMs (TP1 B = 1, TP8, NVFP4): one warpgroup, splits up to two
       CTAs per SM, each keeping 4 tiles — fp8 TP8 B = 8 / 16 / 64 12.5 / 13.8 / 21.8 us against
       13.4 / 14.3 / 22.1 with two; NVFP4 TP1 B = 16 22.3 against 27.6, TP8 B = 16 / 64 13.2 /
@@ -445,10 +475,13 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     splits, stages = _wave_walk(programs, sm_count, tiles)
     if programs > 3 * sm_count:
         return WgmmaShape(splits, stages, 1, True, nvfp4)
+    if not nvfp4 and problem.query_len > 1 and sm_count <= programs <= 2 * sm_count:
+        return WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)
     if programs >= sm_count:
         return WgmmaShape(splits, stages, 1, nvfp4, kreg)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
-        return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), 3, 2, False, kreg)
+        return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), WGMMA_TWO_WG_STAGES, 2,
+                          False, kreg)
     vreg = nvfp4 or wgmma_heads(problem.geometry.group_size) == WGMMA_VREG_HEADS
     return WgmmaShape(splits, stages, 1, vreg, kreg)
 
@@ -458,5 +491,5 @@ def choose_wgmma_splits(problem: DecodeProblem, sm_count: int, stages: int = 3, 
     """Splits that fill the SMs' CTA slots once at most, each warpgroup keeping at least 4 tiles
     (of one row's selection: a program of several rows has at least as many)."""
     most = max(1, wgmma_tiles(problem) // (_WGMMA_MIN_TILES * wgs))
-    slots = wgmma_ctas_per_sm(stages, wgs, vreg, WGMMA_KINDS.get(problem.kv_layout, "fp8")) * sm_count
+    slots = wgmma_slots(problem, sm_count, stages, wgs, vreg)
     return max(1, min(most, slots // max(wgmma_programs(problem, tokens), 1)))

@@ -75,9 +75,11 @@ from msa.backends.cute import ptx
 from msa.backends.cute.config import (
     Q_TERMS,
     WGMMA_EVICT,
+    WGMMA_EVICT_DEFAULT,
     WGMMA_HASH_SLOTS,
     WGMMA_MAX_CLUSTER,
     WGMMA_REFILL,
+    WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
 )
 
@@ -185,8 +187,8 @@ class Sm90Spec:
     tconv: bool = False
     tokens: int = 1
     cluster: int = 0
-    evict: str = "normal"
-    refill: str = "top"
+    evict: str = WGMMA_EVICT_DEFAULT
+    refill: str = WGMMA_REFILL_DEFAULT
     trace: bool = False
 
 
@@ -779,10 +781,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         NS = cute.size(accS)
         NO = cute.size(accO)
         sP_kh = cute.make_tensor(sP[None, None, wg].iterator, cute.select(sP[None, None, wg].layout, mode=[1, 0]))
-        # the weights' stmatrix (`store_weights`): lanes 8 m .. 8 m + 7 give the rows of matrix m,
-        # the warp's tokens 16 w + 8 (m % 2) .. + 7 of heads 8 (m // 2) .. + 7, row j head 8 (m // 2)
-        # + j's. The tile (`p_layout`): a 128-byte row of 64 tokens a head, 8-head blocks 1024 bytes
-        # apart, a warpgroup's tile NC x 128 bytes, the 128-byte swizzle (16-byte chunk ^= head % 8)
+        # this lane's row of the weights' first `stmatrix` (`store_weights`, `weights_row_at`)
         p_at = weights_row_at(st.sP.data_ptr().toint(), wg, NC, lane, wwarp)
 
         # the thread's scores are NS elements over NCOL columns (heads): element e is column
