@@ -33,7 +33,7 @@ from msa.backends.cute.config import (
     Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
-    WGMMA_SHARED_ROWS_WGS,
+    WGMMA_SHARED_ROWS_SPLITS,
     WIDE_MIN_CTAS,
     CuteConfig,
     WgmmaShape,
@@ -190,21 +190,21 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
 
 
 @pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
-    (1, 16, 4, WgmmaShape(1, 2, 2, True, False)),  # 256 programs: two warpgroups, one wave at 2 CTAs an SM
-    (8, 64, 4, WgmmaShape(1, 2, 2, True, False)), (1, 32, 2, WgmmaShape(1, 2, 2, True, False)),
-    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two warpgroups would not fit one wave
+    (1, 16, 4, WgmmaShape(2, 2, 1, True, False)),  # 256 programs: two splits, one wave at 4 CTAs an SM
+    (8, 64, 4, WgmmaShape(2, 2, 1, True, False)), (1, 32, 2, WgmmaShape(2, 2, 1, True, False)),
+    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two splits would not fit one wave
     (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
     (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1
-def test_fp8_steps_of_several_rows_a_request_take_two_warpgroups_where_they_stay_one_wave(
+def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
         tp: int, batch: int, query_len: int, expected: WgmmaShape) -> None:
     """`choose_wgmma_shape`: fp8 steps of L > 1 rows a request with one to two programs an SM
-    take `WGMMA_SHARED_ROWS_WGS` warpgroups of 2 stages a CTA (values in registers, the fp8
-    product); L = 1 steps of the same size keep one of 3, and NVFP4 its L = 1 shape."""
+    take `WGMMA_SHARED_ROWS_SPLITS` splits of 2 stages (values in registers, the fp8 product);
+    L = 1 steps of the same size and NVFP4 keep one split."""
     geometry = msa.MINIMAX_M3_TP[tp]
     assert choose_wgmma_shape(_fp8(batch, geometry, query_len), 132) == expected
     one_row = choose_wgmma_shape(_fp8(batch * query_len, geometry), 132)  # as many programs, L = 1
-    shared_rows = expected == WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
-    assert (one_row.wgs, one_row.stages) == (1, 3) if shared_rows else one_row == expected
+    split = expected == WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)
+    assert (one_row.num_splits, one_row.stages) == (1, 3) if split else one_row == expected
     assert choose_wgmma_shape(_problem(batch, query_len, geometry), 132).num_splits == \
         choose_wgmma_shape(_problem(batch * query_len, geometry=geometry), 132).num_splits
 
