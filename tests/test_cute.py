@@ -192,7 +192,7 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
 @pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
     (1, 16, 4, WgmmaShape(2, 2, 1, True, False)),  # 256 programs: two splits, one wave at 4 CTAs an SM
     (8, 64, 4, WgmmaShape(2, 2, 1, True, False)), (1, 32, 2, WgmmaShape(2, 2, 1, True, False)),
-    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two splits would not fit one wave
+    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two splits pass 4 CTAs an SM (registers)
     (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
     (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1
 def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
@@ -207,6 +207,20 @@ def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
     assert (one_row.num_splits, one_row.stages) == (1, 3) if split else one_row == expected
     assert choose_wgmma_shape(_problem(batch, query_len, geometry), 132).num_splits == \
         choose_wgmma_shape(_problem(batch * query_len, geometry=geometry), 132).num_splits
+
+
+@pytest.mark.parametrize(("batch", "split"), [(32, False), (33, True), (66, True), (67, False)])
+def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: bool) -> None:
+    """The band's edges (TP8 L = 4: B x 4 programs on 132 SMs: 128, 132, 264, 268), and what
+    `config_on` gives there with no option asked (the shape's two splits, fused, with values in
+    registers and the fp8 product; 8-head programs merge without a cluster)."""
+    problem = _fp8(batch, msa.MINIMAX_M3_TP[8], 4)
+    shape = choose_wgmma_shape(problem, 132)
+    assert (shape == WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)) == split
+    config = CuteBackend().config_on(problem, _hopper())
+    if split:
+        assert (config.num_splits, config.stages, config.wgs, config.vreg, config.kreg) == (2, 2, 1, True, False)
+        assert config.fused and not config.cluster and config.evict == "normal"
 
 
 @pytest.mark.parametrize(("tp", "batch", "expected", "nvfp4"), [
