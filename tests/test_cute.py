@@ -33,7 +33,7 @@ from msa.backends.cute.config import (
     Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
-    WGMMA_SHARED_ROWS_SPLITS,
+    WGMMA_SHARED_ROWS_WGS,
     WIDE_MIN_CTAS,
     CuteConfig,
     WgmmaShape,
@@ -190,21 +190,21 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
 
 
 @pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
-    (1, 16, 4, WgmmaShape(2, 2, 1, True, False)),  # 256 programs: two splits, one wave at 4 CTAs an SM
-    (8, 64, 4, WgmmaShape(2, 2, 1, True, False)), (1, 32, 2, WgmmaShape(2, 2, 1, True, False)),
-    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two splits pass 4 CTAs an SM (registers)
+    (1, 16, 4, WgmmaShape(1, 2, 2, True, False)),  # 256 programs: two warpgroups, one wave at 2 CTAs an SM
+    (8, 64, 4, WgmmaShape(1, 2, 2, True, False)), (1, 32, 2, WgmmaShape(1, 2, 2, True, False)),
+    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two warpgroups would pass 2 CTAs an SM (shared memory)
     (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
     (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1
-def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
+def test_fp8_steps_of_several_rows_a_request_take_two_warpgroups_where_they_stay_one_wave(
         tp: int, batch: int, query_len: int, expected: WgmmaShape) -> None:
     """`choose_wgmma_shape`: fp8 steps of L > 1 rows a request with one to two programs an SM
-    take `WGMMA_SHARED_ROWS_SPLITS` splits of 2 stages (values in registers, the fp8 product);
-    L = 1 steps of the same size and NVFP4 keep one split."""
+    take `WGMMA_SHARED_ROWS_WGS` warpgroups of 2 stages a CTA (values in registers, the fp8
+    product); L = 1 steps of the same size keep one of 3, and NVFP4 its L = 1 shape."""
     geometry = msa.MINIMAX_M3_TP[tp]
     assert choose_wgmma_shape(_fp8(batch, geometry, query_len), 132) == expected
     one_row = choose_wgmma_shape(_fp8(batch * query_len, geometry), 132)  # as many programs, L = 1
-    split = expected == WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)
-    assert (one_row.num_splits, one_row.stages) == (1, 3) if split else one_row == expected
+    shared_rows = expected == WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
+    assert (one_row.wgs, one_row.stages) == (1, 3) if shared_rows else one_row == expected
     assert choose_wgmma_shape(_problem(batch, query_len, geometry), 132).num_splits == \
         choose_wgmma_shape(_problem(batch * query_len, geometry=geometry), 132).num_splits
 
@@ -212,15 +212,15 @@ def test_fp8_steps_of_several_rows_a_request_split_where_a_split_stays_one_wave(
 @pytest.mark.parametrize(("batch", "split"), [(32, False), (33, True), (66, True), (67, False)])
 def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: bool) -> None:
     """The band's edges (TP8 L = 4: B x 4 programs on 132 SMs: 128, 132, 264, 268), and what
-    `config_on` gives there with no option asked (the shape's two splits, fused, with values in
-    registers and the fp8 product; 8-head programs merge without a cluster)."""
+    `config_on` gives there with no option asked (the shape's one split of two warpgroups, with
+    values in registers and the fp8 product)."""
     problem = _fp8(batch, msa.MINIMAX_M3_TP[8], 4)
     shape = choose_wgmma_shape(problem, 132)
-    assert (shape == WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)) == split
+    assert (shape == WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)) == split
     config = CuteBackend().config_on(problem, _hopper())
     if split:
-        assert (config.num_splits, config.stages, config.wgs, config.vreg, config.kreg) == (2, 2, 1, True, False)
-        assert config.fused and not config.cluster and config.evict == "normal"
+        assert (config.num_splits, config.stages, config.wgs, config.vreg, config.kreg) == (1, 2, 2, True, False)
+        assert not config.cluster and config.evict == "normal"
 
 
 @pytest.mark.parametrize(("tp", "batch", "expected", "nvfp4"), [

@@ -17,7 +17,7 @@ __all__ = [
     "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
     "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
-    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_SPLITS",
+    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
     "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
@@ -76,8 +76,9 @@ WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
 #: output against the float64 oracle (f16 q: 1.24e-3 where the f16 product holds 2.7e-4, as
 #: Triton does; bf16 q: 1.99e-3 against 1.68e-3) and is 0-2% faster there (TP1 B = 16 / 64:
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
-#: Wider steps keep the fp8 product (`choose_wgmma_shape`), and so do fp8 queries (`_keys_in_registers`).
-#: `kreg` asks for either.
+#: Wider steps keep the fp8 product (`choose_wgmma_shape`), as do the fp8 steps of several rows a
+#: request that take two warpgroups a CTA (`WGMMA_SHARED_ROWS_WGS`: two 128-thread warpgroups twice
+#: an SM) and fp8 queries (`_keys_in_registers`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
 #: fp8 steps below one wave with CTAs of this many query heads (TP8) take their values into
 #: registers (`vreg`) with the keys decoded into f16 registers, not converted on the tensor cores
@@ -342,11 +343,11 @@ WGMMA_TWO_WG_MIN_PROGRAMS = 32
 #: registers as the default, values in registers or not), TP1 B = 8 16.4 / 17.0 and TP4 B = 64
 #: 20.4 / 21.3 (values in registers, the fp8 product); benchmarks/RESULTS.md has the repeat.
 WGMMA_TWO_WG_STAGES = 2
-#: Splits of an fp8 step of several rows a request (L > 1) with one to two programs an SM
-#: (`choose_wgmma_shape`). In speculative decoding a request's rows share most of their pages;
-#: the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 24) records what the
-#: split costs where they share none.
-WGMMA_SHARED_ROWS_SPLITS = 2
+#: Consumer warpgroups a CTA of an fp8 step of several rows a request (L > 1) with one to two
+#: programs an SM (`choose_wgmma_shape`). In speculative decoding a request's rows share most of
+#: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 24)
+#: records what the shape costs where they share none.
+WGMMA_SHARED_ROWS_WGS = 2
 
 
 def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool, splits: int,
@@ -443,12 +444,12 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
       4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6);
     - one to three per SM (TP1 B = 64, TP8 B = 256: 256): 3 stages, one split — 50.2 / 48.2 us
       (vreg 50.5 / 49.0, two splits 55.8-69.1: a second partial wave; Triton 52.6 / 53.6);
-    - fp8 steps of several rows a request (L > 1, `WGMMA_SHARED_ROWS_SPLITS`) with one to two
-      programs an SM (TP1 L = 4 B = 16, TP8 L = 4 B = 64: 256): two splits of 2 stages, values in
-      registers, the fp8 product (4 CTAs an SM, one wave) — at 80% of a row's pages its
-      predecessor's 33.3 / 30.0 us against 42.6 / 38.2 for one split of 3 (2026-12-05, session
-      24): the rows' shared pages come from L2, so the walk is bound by each CTA's chain of
-      tiles, not by bytes;
+    - fp8 steps of several rows a request (L > 1, `WGMMA_SHARED_ROWS_WGS`) with one to two
+      programs an SM (TP1 L = 4 B = 16, TP8 L = 4 B = 64: 256): two warpgroups of 2 stages a CTA,
+      one split, values in registers, the fp8 product (2 CTAs an SM, one wave) — at 80% of a
+      row's pages its predecessor's 32.3 / 27.9 us against 42.8 / 31.6 for one warpgroup of 3
+      stages and 33.2 / 29.4 for two splits of one (2026-12-05, session 24): the rows' shared
+      pages come from L2, so the walk is bound by each warpgroup's chain of tiles, not by bytes;
     - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
       (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, `WGMMA_TWO_WG_STAGES` stages, splits
       up to one CTA per SM, each warpgroup keeping 4 tiles — 18.7 / 23.8 / 24.0 us against 20.9
@@ -476,7 +477,7 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     if programs > 3 * sm_count:
         return WgmmaShape(splits, stages, 1, True, nvfp4)
     if not nvfp4 and problem.query_len > 1 and sm_count <= programs <= 2 * sm_count:
-        return WgmmaShape(WGMMA_SHARED_ROWS_SPLITS, 2, 1, True, False)
+        return WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
     if programs >= sm_count:
         return WgmmaShape(splits, stages, 1, nvfp4, kreg)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
