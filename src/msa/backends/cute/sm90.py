@@ -295,12 +295,11 @@ def score_mma(kreg: bool, nc: int) -> Any:
     """The score product's tiled WGMMA (M = a tile's tokens, N = `nc` columns; call while
     tracing): f16 keys in registers and an f16 query (`kreg`), or fp8 keys and query terms in
     shared memory. Its accumulator fragment is the order of a thread's scores and weights."""
-    if kreg:
-        return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, cute.nvgpu.OperandMajorMode.K,
-                                                 cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                 tiler_mn=(TILE, nc), a_source=warpgroup.OperandSource.RMEM)
-    return sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cute.nvgpu.OperandMajorMode.K,
-                                             cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(TILE, nc))
+    dtype = cutlass.Float16 if kreg else cutlass.Float8E4M3FN
+    source = warpgroup.OperandSource.RMEM if kreg else warpgroup.OperandSource.SMEM
+    k_major = cute.nvgpu.OperandMajorMode.K
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, Float32, (1, 1, 1), tiler_mn=(TILE, nc),
+                                             a_source=source)
 
 
 def store_weights(p_at: Any, pk: Any, ns: int) -> None:
