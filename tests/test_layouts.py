@@ -9,7 +9,7 @@ from naive import dequantize as naive_dequantize
 
 from msa.errors import MSAInputError
 from msa.layouts import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, NVFP4, get_layout, layout_for_cache
-from msa.layouts.nvfp4 import E2M1_VALUES, e2m1_encode
+from msa.layouts.nvfp4 import E2M1_VALUES, e2m1_encode, quantize_blocks
 
 
 @pytest.mark.parametrize(
@@ -240,6 +240,40 @@ def test_triton_writer_equals_torch_writer_on_gpu(name: str, gen: torch.Generato
     a, b, _, _ = _writer_pair(name, "cuda", gen)
     differing = int((a != b).sum())
     assert differing == 0, f"{differing} bytes differ"
+
+
+# bf16 block maxima whose scale quotient (amax / 6) / g, g = 7 / 2688 in fp32, rounds to a
+# different E4M3 byte when amax / 6 is taken as amax times the fp32 reciprocal of 6 (what torch
+# does on CUDA for a python-float divisor) instead of the IEEE quotient: the seed that failed
+# the GPU gate on 2026-12-05 (MSA_TEST_SEED=1814682088) held eight such blocks.
+_TIE_AMAX = (0.01123046875, 0.01220703125, 0.01513671875, 0.0224609375)
+_TIE_SCALE = 7 / 2688
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_nvfp4_block_scales_are_the_ieee_quotients_on_every_device(device: str, kernel: bool,
+                                                                  gen: torch.Generator) -> None:
+    if kernel and device == "cpu":
+        pytest.skip("the Triton writer runs on CUDA (its CPU interpreter rounds fp8 wrongly)")
+    maxima = torch.tensor(_TIE_AMAX).repeat(4)  # 16 blocks: 2 tokens of one head, 8 blocks each
+    blocks = (torch.rand((16, 16), generator=gen) * 2 - 1) * maxima[:, None]
+    blocks[torch.arange(16), torch.randint(0, 16, (16,), generator=gen)] = maxima  # each block's amax
+    key = blocks.reshape(2, 1, 128).to(torch.bfloat16)
+    g = torch.tensor([_TIE_SCALE], dtype=torch.float32)
+    amax = key.float().reshape(2, 1, 8, 16).abs().amax(-1)
+    # CPU float32 division is IEEE: the quotient the writers must round, rounded twice as they do
+    expected = (amax / torch.full_like(amax, 6.0) / g).to(torch.float8_e4m3fn).view(torch.uint8)
+    reciprocal = (amax * (torch.tensor(1.0) / 6.0) / g).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert not torch.equal(expected, reciprocal)  # the case can tell the two apart
+    cache = NVFP4.allocate(1, 1, 4, 128, device=device)
+    NVFP4.write(cache, key.to(device), key.to(device), torch.tensor([0, 3], device=device), k_scale=g.to(device),
+                v_scale=g.to(device), kernel=kernel)
+    _, scales = quantize_blocks(key.to(device), g.to(device))
+    assert torch.equal(scales.cpu(), expected)
+    k_slot = cache.view(torch.uint8)[0, 0].flatten()
+    written = k_slot[4 * 64:].view(4, 8)[[0, 3]]  # the K slot's scale area: token-major
+    assert torch.equal(written.cpu(), expected.reshape(2, 8))
 
 
 @pytest.mark.parametrize("kernel", [False, True])
