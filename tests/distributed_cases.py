@@ -34,6 +34,11 @@ from msa.workload import make_decode_step
 #: bf16 before the merge, so where partials cancel the error is an ulp of the partials, not of
 #: the result. LSE: relative 1e-5.
 OUT_RTOL, OUT_ATOL, PARTIAL_RTOL, LSE_RTOL = 2.0**-7, 2e-3, 2.0**-8, 1e-5
+#: The Triton interpreter truncates fp32 -> bf16 where a GPU rounds to nearest even
+#: (docs/architecture.md, "Known traps of the Triton interpreter": bf16 outputs compared under the
+#: interpreter allow one bf16 ulp), so a bf16 output of the interpreted merge kernels gets one bf16
+#: ulp of itself (at most 2^-7 |out|) on top of the bound above (docs/distributed.md §3).
+INTERPRETER_BF16_ULP = 2.0**-7
 
 
 @dataclass
@@ -134,6 +139,7 @@ class Checker:
         self.rank = rank
         self.failures: list[str] = []
         self.checks = 0
+        self.interpreted = False  # outputs from Triton kernels under TRITON_INTERPRET (truncating casts)
 
     def close(self, what: str, out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor,
               ref_lse: torch.Tensor, scale: torch.Tensor | None = None, partial_rtol: float = PARTIAL_RTOL) -> None:
@@ -148,6 +154,8 @@ class Checker:
         bound = OUT_RTOL * ref.abs() + OUT_ATOL
         if scale is not None:
             bound = bound + partial_rtol * scale.double().cpu()
+        if self.interpreted and out.dtype == torch.bfloat16:
+            bound = bound + INTERPRETER_BF16_ULP * got.abs()
         err = (got - ref).abs() - bound
         if err.numel() and err.max() > 0:
             at = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
@@ -322,13 +330,15 @@ def worker(rank: int, world_size: int, init_file: str, seed: int, result_dir: st
 
 
 def forced_kernel_pass(check: Checker, seed: int, device: str) -> None:
-    """Two scenarios again with the merge's Triton kernels (interpreted), as CUDA runs them."""
+    """Two scenarios again with the merge's Triton kernels (interpreted), as CUDA runs them (but
+    for the interpreter's truncating bf16 casts: `INTERPRETER_BF16_ULP`)."""
     import dataclasses
 
     import msa.distributed.combine as combine
 
     saved = combine._use_kernel
     combine._use_kernel = lambda t, kernel: t.shape[-1] & (t.shape[-1] - 1) == 0
+    check.interpreted = True
     try:
         for i, base in enumerate(SCENARIOS):
             if base.name in ("bf16 L1 touched", "malformed nvfp4"):
@@ -338,6 +348,7 @@ def forced_kernel_pass(check: Checker, seed: int, device: str) -> None:
         check.failures.append(f"rank {check.rank}, Triton merge kernels: {traceback.format_exc()}")
     finally:
         combine._use_kernel = saved
+        check.interpreted = False
 
 
 def error_checks(check: Checker, device: str) -> None:
