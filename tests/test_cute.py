@@ -192,7 +192,7 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
 @pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
     (1, 16, 4, WgmmaShape(1, 2, 2, True, False)),  # 256 programs: two warpgroups, one wave at 2 CTAs an SM
     (8, 64, 4, WgmmaShape(1, 2, 2, True, False)), (1, 32, 2, WgmmaShape(1, 2, 2, True, False)),
-    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two warpgroups would pass 2 CTAs an SM (shared memory)
+    (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two warpgroups would pass 2 CTAs an SM (registers)
     (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
     (8, 256, 4, WgmmaShape(1, 3, 1, True, False)),  # 1024 programs of 8 heads: 3 stages, as at L = 1
     (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1

@@ -345,8 +345,8 @@ WGMMA_TWO_WG_MIN_PROGRAMS = 32
 WGMMA_TWO_WG_STAGES = 2
 #: Consumer warpgroups a CTA of an fp8 step of several rows a request (L > 1) with one to two
 #: programs an SM (`choose_wgmma_shape`). In speculative decoding a request's rows share most of
-#: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 24)
-#: records what the shape costs where they share none.
+#: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 25)
+#: records what the shape costs where they share none (about level).
 WGMMA_SHARED_ROWS_WGS = 2
 #: Ring stages of fp8 steps past 3 CTAs an SM whose CTAs take 8 query heads (TP8; values in
 #: registers: 4 CTAs an SM by shared memory at 3 stages). H200, M3 fp8 at 64K, same runs
@@ -458,7 +458,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
       programs an SM (TP1 L = 4 B = 16, TP8 L = 4 B = 64: 256): two warpgroups of 2 stages a CTA,
       one split, values in registers, the fp8 product (2 CTAs an SM, one wave) — at 80% of a
       row's pages its predecessor's 32.3 / 27.9 us against 42.8 / 31.6 for one warpgroup of 3
-      stages and 33.2 / 29.4 for two splits of one (2026-12-05, session 24): the rows' shared
+      stages (TP8's with values in registers; the older default took 38.2) and 33.2 / 29.4 for
+      two splits of one (2026-12-05, session 24): the rows' shared
       pages come from L2, so the walk is bound by each warpgroup's chain of tiles, not by bytes;
     - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
       (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, `WGMMA_TWO_WG_STAGES` stages, splits
