@@ -313,7 +313,8 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
 def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8") -> int:
     """CTAs of the wgmma kernel whose shared memory fits one SM's 228 KiB, 1 KiB reserved a CTA
     (`wgmma_smem_bytes` at 128-token pages, 16 heads, a bf16 query): fp8 5 at (2 stages, 1
-    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2)."""
+    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1) and (2, 2, vreg; registers hold
+    2), 2 at (2, 2), 1 at (3, 2)."""
     return max(1, SM90_SMEM_PER_SM // (wgmma_smem_bytes(kind, stages, wgs, vreg) + SM90_SMEM_RESERVED))
 
 
