@@ -189,6 +189,10 @@ def test_programs_of_several_rows_need_a_uniform_step_they_divide_and_a_group_of
     assert wgmma_tokens_serve(_fp8(16, tp1, 2), 2) is None
 
 
+#: The shape `choose_wgmma_shape` gives fp8 steps of several rows a request at one to two programs an SM.
+_SHARED_ROWS_SHAPE = WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
+
+
 @pytest.mark.parametrize(("tp", "batch", "query_len", "expected"), [
     (1, 16, 4, WgmmaShape(1, 2, 2, True, False)),  # 256 programs: two warpgroups, one wave at 2 CTAs an SM
     (8, 64, 4, WgmmaShape(1, 2, 2, True, False)), (1, 32, 2, WgmmaShape(1, 2, 2, True, False)),
@@ -203,7 +207,7 @@ def test_fp8_steps_of_several_rows_a_request_take_two_warpgroups_where_they_stay
     geometry = msa.MINIMAX_M3_TP[tp]
     assert choose_wgmma_shape(_fp8(batch, geometry, query_len), 132) == expected
     one_row = choose_wgmma_shape(_fp8(batch * query_len, geometry), 132)  # as many programs, L = 1
-    shared_rows = expected == WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
+    shared_rows = expected == _SHARED_ROWS_SHAPE
     assert (one_row.wgs, one_row.stages) == (1, 3) if shared_rows else one_row == expected
     assert choose_wgmma_shape(_problem(batch, query_len, geometry), 132) == \
         choose_wgmma_shape(_problem(batch * query_len, geometry=geometry), 132)  # NVFP4: its L = 1 shape
@@ -216,7 +220,7 @@ def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: b
     values in registers and the fp8 product)."""
     problem = _fp8(batch, msa.MINIMAX_M3_TP[8], 4)
     shape = choose_wgmma_shape(problem, 132)
-    assert (shape == WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)) == split
+    assert (shape == _SHARED_ROWS_SHAPE) == split
     config = CuteBackend().config_on(problem, _hopper())
     if split:
         assert (config.num_splits, config.stages, config.wgs, config.vreg, config.kreg) == (1, 2, 2, True, False)
