@@ -198,6 +198,7 @@ _SHARED_ROWS_SHAPE = WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
     (8, 64, 4, WgmmaShape(1, 2, 2, True, False)), (1, 32, 2, WgmmaShape(1, 2, 2, True, False)),
     (1, 20, 4, WgmmaShape(1, 3, 1, False, True)),  # 320 programs: two warpgroups would pass 2 CTAs an SM (registers)
     (1, 64, 4, WgmmaShape(1, 2, 1, True, False)),  # 1024 programs: past 3 CTAs an SM, as at L = 1
+    (8, 256, 4, WgmmaShape(1, 3, 1, True, False)),  # 1024 programs of 8 heads: 3 stages, as at L = 1
     (8, 16, 4, WgmmaShape(4, 3, 1, True, True))])  # 64 programs: below the SMs, as at L = 1
 def test_fp8_steps_of_several_rows_a_request_take_two_warpgroups_where_they_stay_one_wave(
         tp: int, batch: int, query_len: int, expected: WgmmaShape) -> None:
@@ -232,6 +233,7 @@ def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: b
     (1, 128, WgmmaShape(1, 2, 1, True, False), WgmmaShape(1, 2, 1, True, True)),
     (1, 64, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
     (8, 256, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
+    (8, 1024, WgmmaShape(1, 3, 1, True, False), WgmmaShape(1, 2, 1, True, True)),  # 8-head fp8 past 3 CTAs an SM
     (1, 16, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
     (1, 8, WgmmaShape(4, 2, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
     (4, 64, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),

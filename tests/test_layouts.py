@@ -211,6 +211,8 @@ def _writer_pair(name: str, device: str, gen: torch.Generator) -> tuple[torch.Te
     key = (torch.randn((70, hkv, d), generator=gen) * 3).to(dtype).to(device)
     value = (torch.randn((70, hkv, d), generator=gen) * 3).to(dtype).to(device)
     key[5] = 0  # an all-zero token: zero block scales
+    if name in ("fp8", "nvfp4"):  # what the writers promise for non-finite inputs, alike
+        key[7, 0, 3], key[8, 1, 100], value[9, 0, 17] = float("nan"), float("inf"), -float("inf")
     slots = torch.randperm(pages * p, generator=gen)[:70]
     slots[::6] = -1
     slots[4] = pages * p + 9  # past the cache: skipped

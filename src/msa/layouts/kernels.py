@@ -39,9 +39,9 @@ def split_write_kernel(
         v_row = v_cache_ptr + page * stride_vcp + h * stride_vch + off * stride_vct
         k = tl.math.div_rn(tl.load(key_ptr + t * stride_kt + h * stride_kh + d).to(tl.float32), tl.load(k_scale_ptr))
         v = tl.math.div_rn(tl.load(value_ptr + t * stride_vt + h * stride_vh + d).to(tl.float32), tl.load(v_scale_ptr))
-        if FP8:
-            k = tl.minimum(tl.maximum(k, -448.0), 448.0)
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if FP8:  # saturate +-Inf at +-448 and keep NaN, as torch's clamp (`min`/`max` would drop it)
+            k = tl.clamp(k, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(k_row + d, k.to(k_cache_ptr.dtype.element_ty))
         tl.store(v_row + d, v.to(v_cache_ptr.dtype.element_ty))
 

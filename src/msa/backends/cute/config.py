@@ -17,7 +17,7 @@ __all__ = [
     "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
     "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
-    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS",
+    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS", "WGMMA_WIDE_8HEAD_STAGES",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
     "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
@@ -313,7 +313,8 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
 def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8") -> int:
     """CTAs of the wgmma kernel whose shared memory fits one SM's 228 KiB, 1 KiB reserved a CTA
     (`wgmma_smem_bytes` at 128-token pages, 16 heads, a bf16 query): fp8 5 at (2 stages, 1
-    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1), 2 at (2, 2), 1 at (3, 2)."""
+    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1) and (2, 2, vreg; registers hold
+    2), 2 at (2, 2), 1 at (3, 2)."""
     return max(1, SM90_SMEM_PER_SM // (wgmma_smem_bytes(kind, stages, wgs, vreg) + SM90_SMEM_RESERVED))
 
 
@@ -345,9 +346,18 @@ WGMMA_TWO_WG_MIN_PROGRAMS = 32
 WGMMA_TWO_WG_STAGES = 2
 #: Consumer warpgroups a CTA of an fp8 step of several rows a request (L > 1) with one to two
 #: programs an SM (`choose_wgmma_shape`). In speculative decoding a request's rows share most of
-#: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 24)
-#: records what the shape costs where they share none.
+#: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 25)
+#: records what the shape costs where they share none (about level).
 WGMMA_SHARED_ROWS_WGS = 2
+#: Ring stages of fp8 steps past 3 CTAs an SM whose CTAs take 8 query heads (TP8; values in
+#: registers: 4 CTAs an SM by shared memory at 3 stages). H200, M3 fp8 at 64K, same runs
+#: (benchmarks/bench_cute.py `--variant '{"stages":3}'`, 2026-12-05, session 25), us, 3 stages
+#: against 2: TP8 L = 4 B = 256 at 80% shared pages 81.9 / 82.4 against 86.0 / 84.7 (two runs),
+#: without shared pages 128.0 against 132.5, L = 1 B = 1024 137.2 against 143.6. 16-head CTAs
+#: keep 2: TP1 L = 1 B = 256 140.5 against 143.2 with 3, L = 4 B = 64 / 256 at 80% 100.0 / 364.5
+#: against 100.7 / 368.2 (TP1 L = 1 B = 1024 took 505.6 with 3 against 553.9: not an issue row,
+#: one run, left for a later rule).
+WGMMA_WIDE_8HEAD_STAGES = 3
 
 
 def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool, splits: int,
@@ -441,14 +451,16 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP4 / TP8 at 64K):
 
     - more programs than 3 CTAs per SM hold (TP1 B = 256: 1024): 2 stages, values in registers,
-      4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6);
+      4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6); fp8
+      with 8-head CTAs (TP8 L = 4 B = 256, TP8 B = 1024) 3 stages (`WGMMA_WIDE_8HEAD_STAGES`);
     - one to three per SM (TP1 B = 64, TP8 B = 256: 256): 3 stages, one split — 50.2 / 48.2 us
       (vreg 50.5 / 49.0, two splits 55.8-69.1: a second partial wave; Triton 52.6 / 53.6);
     - fp8 steps of several rows a request (L > 1, `WGMMA_SHARED_ROWS_WGS`) with one to two
       programs an SM (TP1 L = 4 B = 16, TP8 L = 4 B = 64: 256): two warpgroups of 2 stages a CTA,
       one split, values in registers, the fp8 product (2 CTAs an SM, one wave) — at 80% of a
       row's pages its predecessor's 32.3 / 27.9 us against 42.8 / 31.6 for one warpgroup of 3
-      stages and 33.2 / 29.4 for two splits of one (2026-12-05, session 24): the rows' shared
+      stages (TP8's with values in registers; the older default took 38.2) and 33.2 / 29.4 for
+      two splits of one (2026-12-05, session 24): the rows' shared
       pages come from L2, so the walk is bound by each warpgroup's chain of tiles, not by bytes;
     - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
       (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, `WGMMA_TWO_WG_STAGES` stages, splits
@@ -475,6 +487,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     tiles = wgmma_tiles(problem)
     splits, stages = _wave_walk(programs, sm_count, tiles)
     if programs > 3 * sm_count:
+        if not nvfp4 and wgmma_heads(problem.geometry.group_size) == WGMMA_VREG_HEADS:
+            stages = WGMMA_WIDE_8HEAD_STAGES
         return WgmmaShape(splits, stages, 1, True, nvfp4)
     if not nvfp4 and problem.query_len > 1 and sm_count <= programs <= 2 * sm_count:
         return WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
