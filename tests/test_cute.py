@@ -6,6 +6,7 @@ planner, and inside a CUDA graph."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import operator
 import os
 import random
@@ -35,6 +36,7 @@ from msa.backends.cute.config import (
     VERIFIED_DSL_VERSIONS,
     WGMMA_SHARED_ROWS_WGS,
     WIDE_MIN_CTAS,
+    WIDE_Q_TERMS,
     CuteConfig,
     WgmmaShape,
     choose_min_ctas,
@@ -89,12 +91,19 @@ def _fp8(batch: int, geometry: Geometry = msa.MINIMAX_M3, query_len: int = 1) ->
     return attrs.evolve(_problem(batch, query_len, geometry=geometry), kv_layout="fp8_e4m3")
 
 
-def test_the_wgmma_kernel_serves_fp8_and_nvfp4_on_sm90_with_pages_of_64_tokens() -> None:
+def _wide(batch: int, layout: str = "bfloat16", geometry: Geometry = msa.MINIMAX_M3) -> DecodeProblem:
+    q_dtype = torch.float16 if layout == "float16" else torch.bfloat16
+    return attrs.evolve(_problem(batch, geometry=geometry), kv_layout=layout, q_dtype=q_dtype, out_dtype=q_dtype)
+
+
+def test_the_wgmma_kernel_serves_fp8_nvfp4_and_16_bit_caches_on_sm90_with_pages_of_64_tokens() -> None:
     assert wgmma_serves(_fp8(8), (9, 0)) is None
     assert wgmma_serves(_problem(8), (9, 0)) is None
+    assert wgmma_serves(_wide(8), (9, 0)) is None
+    assert wgmma_serves(_wide(8, "float16"), (9, 0)) is None
     assert "sm_90a" in (wgmma_serves(_fp8(8), (10, 0)) or "")
     assert "sm_90a" in (wgmma_serves(_fp8(8), None) or "")
-    assert "bfloat16" in (wgmma_serves(attrs.evolve(_fp8(8), kv_layout="bfloat16"), (9, 0)) or "")
+    assert "fp16" in (wgmma_serves(attrs.evolve(_fp8(8), kv_layout="fp16"), (9, 0)) or "")
     small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
     assert "page size 32" in (wgmma_serves(_fp8(8, small_pages), (9, 0)) or "")
     backend = CuteBackend()
@@ -104,6 +113,47 @@ def test_the_wgmma_kernel_serves_fp8_and_nvfp4_on_sm90_with_pages_of_64_tokens()
     assert backend.kernel_for(_problem(8, geometry=small_pages), _hopper()) == "mma"
     assert CuteBackend(kernel="mma").kernel_for(_problem(8), _hopper()) == "mma"
     assert CuteBackend(kernel="mma").kernel_for(_fp8(8), _hopper()) == "mma"
+    assert backend.kernel_for(_wide(8), _hopper()) == "wgmma"
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "float16"])
+def test_16_bit_caches_are_the_wgmma_kernels_and_auto_leaves_them_to_triton(layout: str) -> None:
+    """bf16 and f16 caches: only the wgmma kernel reads them (the mma kernel, asked for, or a GPU or
+    page size the wgmma kernel cannot serve, is refused with why), and `auto` does not choose the
+    backend for them (not yet timed against Triton) while a request by name runs them."""
+    backend = CuteBackend()
+    assert not backend.problem_reasons(_wide(8, layout), _hopper(), requested=True)
+    assert any("chosen automatically only for" in r for r in backend.problem_reasons(_wide(8, layout), _hopper()))
+    small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
+    blackwell = attrs.evolve(_hopper(), capability=(10, 0))
+    for chosen, problem, platform, why in ((backend, _wide(8, layout, small_pages), _hopper(), "page size 32"),
+                                           (backend, _wide(8, layout), blackwell, "sm_90a"),
+                                           (CuteBackend(kernel="mma"), _wide(8, layout), _hopper(), "kernel='mma'")):
+        reasons = chosen.problem_reasons(problem, platform, requested=True)
+        assert any(f"a {layout} cache is read by the wgmma kernel only" in r and why in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(("batch", "stages", "splits"), [(1, 3, 8), (16, 3, 4), (64, 3, 1), (66, 3, 1), (67, 2, 1),
+                                                          (256, 2, 1)])
+def test_a_16_bit_step_takes_one_warpgroup_reading_its_ring_as_stored(batch: int, stages: int, splits: int) -> None:
+    """3 stages while the programs fit 2 CTAs an SM (shared memory: 2 x 16 KiB a stage), else 2;
+    splits filling the SMs once, 4 tiles a split at least; no register operands, no `lag`."""
+    for layout in ("bfloat16", "float16"):
+        problem = _wide(batch, layout)
+        assert wgmma_ctas_per_sm(3, 1, False, "bf16") == 2 and wgmma_ctas_per_sm(2, 1, False, "bf16") == 3
+        assert choose_wgmma_shape(problem, 132) == WgmmaShape(splits, stages, 1, False, False)
+        config = CuteBackend().config_on(problem, _hopper())
+        assert (config.kernel, config.num_splits, config.stages, config.vreg, config.kreg, config.tconv,
+                config.lag, config.cluster) == ("wgmma", splits, stages, False, False, False, False, False)
+        assert "from the ring as stored" in (CuteBackend().strategy(problem, _hopper()) or "")
+
+
+@pytest.mark.parametrize("option", [{"vreg": True}, {"kreg": True}, {"tconv": True}, {"lag": True},
+                                    {"refill": "late"}])
+def test_16_bit_steps_refuse_the_options_of_decoded_operands(option: dict[str, Any]) -> None:
+    name = next(iter(option))
+    with pytest.raises(MSAInputError, match=name):
+        CuteBackend(**option).config_on(_wide(64), _hopper())
 
 
 @pytest.mark.parametrize("requested", [False, True])
@@ -486,7 +536,9 @@ def test_refusals_name_what_is_missing() -> None:
     bf16 = DecodeProblem(geometry=msa.MINIMAX_M3, batch_size=8, query_len=1, kv_layout="bfloat16",
                         q_dtype=torch.bfloat16, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0,
                         max_blocks=0)
-    assert backend.problem_reasons(bf16, _hopper(), requested=True)
+    assert not backend.problem_reasons(bf16, _hopper(), requested=True)  # (the wgmma kernel reads it)
+    assert "sm_90a" in " ".join(backend.problem_reasons(bf16, attrs.evolve(_hopper(), capability=(10, 0)),
+                                                        requested=True))
 
 
 # -- the kernel ------------------------------------------------------------------------------
@@ -542,8 +594,8 @@ def _run_wgmma_against_the_loop(hostile: Any, backend: CuteBackend, lse_wanted: 
 @pytest.mark.gpu
 @needs_wgmma
 @GPU_FUZZ
-@given(params=step_params(max_batch=4, layouts=("fp8_e4m3", "nvfp4"), head_dim=128, groups=(1, 3, 8, 16, 20),
-                          pages=(64, 128), max_topk=32, max_blocks=6),
+@given(params=step_params(max_batch=4, layouts=("fp8_e4m3", "nvfp4", "bfloat16", "float16"), head_dim=128,
+                          groups=(1, 3, 8, 16, 20), pages=(64, 128), max_topk=32, max_blocks=6),
        seed=st.integers(0, 2**31 - 1), splits=st.sampled_from([None, 1, 2, 5, 9, 17, 33]),
        stages=st.sampled_from([None, 2, 4]),
        lse_wanted=st.booleans(), lag=st.sampled_from([None, False, True]), wgs=st.sampled_from([None, 1, 2]),
@@ -559,10 +611,11 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
                                                                   tconv: bool | None, tokens: int | None,
                                                                   cluster: bool | None, refill: str | None,
                                                                   evict: str | None) -> None:
-    """The TMA + WGMMA kernel on hostile fp8 and NVFP4 steps: NaN in every byte the contract never
-    reads (skipped pages, tokens past a row's length inside the tiles it copies whole, padded rows).
-    NVFP4 always decodes its keys and values into registers (`vreg` / `kreg` False is refused:
-    tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product;
+    """The TMA + WGMMA kernel on hostile fp8, NVFP4, bf16 and f16 steps: NaN in every byte the
+    contract never reads (skipped pages, tokens past a row's length inside the tiles it copies
+    whole, padded rows). NVFP4 always decodes its keys and values into registers (`vreg` / `kreg`
+    False is refused: tested on the CPU); 16-bit caches never do (nor `tconv`, `lag` or a late
+    refill: refused, tested on the CPU); `tconv` (fp8 keys converted on the tensor cores) takes the f16 product;
     `tokens` (rows of a request a program, their pages' union walked once: the few blocks a
     request has here make the tokens' selections overlap) where the step allows it; `cluster` (2-8
     fused splits merged through distributed shared memory; more, or one, merge as without); the
@@ -570,6 +623,10 @@ def test_wgmma_kernel_matches_the_float64_loop_on_poisoned_steps(params: dict[st
     if params["layout"] == "nvfp4":
         vreg, kreg = (None if vreg is False else vreg), (None if kreg is False else kreg)
         tconv = None if tconv else tconv
+    elif params["layout"] in ("bfloat16", "float16"):
+        vreg, kreg, tconv = (None if vreg else vreg), (None if kreg else kreg), (None if tconv else tconv)
+        lag, refill = (None if lag else lag), None
+        stages = 2 if wgs == 2 and stages == 4 else stages  # (two rings of 4 x 32 KiB do not fit: refused)
     elif tconv:
         kreg = None
     hostile = make_hostile(params, seed)
@@ -624,6 +681,30 @@ def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: s
     backend = CuteBackend(kernel="wgmma", tokens=tokens, num_splits=splits)
     config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma tokens={tokens} [{hostile}]")
     assert config.tokens == tokens
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@GPU_FUZZ
+@given(params=step_params(max_batch=4, layouts=("bfloat16", "float16"), head_dim=128, groups=(8, 16),
+                          pages=(64, 128), max_topk=32, max_blocks=6),
+       seed=st.integers(0, 2**31 - 1), q_kind=st.sampled_from(["other", "fp8"]), splits=st.sampled_from([None, 1, 3]))
+def test_16_bit_caches_take_every_query_dtype_exactly(params: dict[str, Any], seed: int, q_kind: str,
+                                                      splits: int | None) -> None:
+    """The wgmma kernel's 16-bit products take the query in terms of the cache's type
+    (`config.WIDE_Q_TERMS`): a bf16 cache with an f16 query (two bf16 terms), an f16 cache with a
+    bf16 query (one scaled f16 term) or an fp8 one, on hostile steps against the float64 loop."""
+    params = {**params, "q_fp8": False}
+    hostile = make_hostile(params, seed)
+    q = hostile.kwargs["q"]
+    if q_kind == "fp8":  # (the poisoned rows' NaN stays NaN in e4m3)
+        q = q.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    else:
+        q = q.to(torch.bfloat16 if q.dtype == torch.float16 else torch.float16)
+    hostile = dataclasses.replace(hostile, kwargs={**hostile.kwargs, "q": q})
+    note(f"{hostile} q={q.dtype} splits={splits}")
+    _run_wgmma_against_the_loop(hostile, CuteBackend(kernel="wgmma", num_splits=splits), True,
+                                f"cute wgmma [{hostile} q={q.dtype}]")
 
 
 @pytest.mark.gpu
@@ -845,7 +926,11 @@ WGMMA_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, False), ("fp8", "f1
                   ("fp8", "f16", 8, False, True, 2, True, False), ("fp8", "e4m3", 16, False, False, 4, True, False),
                   ("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
                   ("nvfp4", "bf16", 16, True, False, 3, True, True), ("nvfp4", "f16", 8, False, True, 2, True, True),
-                  ("nvfp4", "e4m3", 16, False, False, 4, True, True)]
+                  ("nvfp4", "e4m3", 16, False, False, 4, True, True),
+                  # 16-bit caches, every query kind (bf16 with f16 q: two bf16 terms)
+                  ("bf16", "bf16", 16, True, False, 3, False, False), ("bf16", "f16", 8, False, True, 2, False, False),
+                  ("bf16", "e4m3", 16, False, False, 2, False, False), ("f16", "f16", 16, True, False, 4, False, False),
+                  ("f16", "bf16", 8, False, True, 3, False, False), ("f16", "e4m3", 16, False, True, 2, False, False)]
 #: fp8 with the keys converted on the tensor cores (`tconv`; with `kreg`), values copied or in registers.
 TCONV_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16", 8, False, True, 2, True, True),
                   ("fp8", "e4m3", 16, True, True, 2, False, True)]
@@ -853,14 +938,16 @@ TCONV_VARIANTS = [("fp8", "bf16", 16, True, False, 3, False, True), ("fp8", "f16
 UNION_VARIANTS = [(("fp8", "bf16", 32, False, True, 3, False, True), True, 4),
                   (("fp8", "e4m3", 32, True, False, 2, True, False), False, 2),
                   (("nvfp4", "f16", 32, False, True, 3, True, True), False, 4),
-                  (("nvfp4", "bf16", 16, True, False, 2, True, True), False, 2)]
+                  (("nvfp4", "bf16", 16, True, False, 2, True, True), False, 2),
+                  (("bf16", "bf16", 32, False, True, 2, False, False), False, 2)]
 #: Fused splits merged as one cluster through distributed shared memory, and the traced kernel:
 #: (variant, cluster, trace).
 CLUSTER_VARIANTS = [(("fp8", "bf16", 16, False, True, 3, False, True), 2, False),
                     (("nvfp4", "f16", 8, False, True, 2, True, True), 8, False),
                     (("fp8", "e4m3", 8, False, True, 3, True, False), 5, False),
                     (("fp8", "bf16", 8, True, False, 3, True, True), 0, True),
-                    (("fp8", "f16", 16, False, True, 3, False, True), 4, True)]
+                    (("fp8", "f16", 16, False, True, 3, False, True), 4, True),
+                    (("f16", "f16", 8, False, True, 2, False, False), 3, False)]
 
 
 def _compile_sm90a(host: Any, dump: Path) -> tuple[Any, str]:
@@ -902,7 +989,7 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
     merged = -(-nc * 128 // 4 // (cluster * 128)) if cluster else 0  # vectors a thread merges
     assert ptx.count("ld.shared::cluster.v2.f32") == ptx.count("ld.shared::cluster.v4.f32") == cluster * merged
     assert ("%clock64" in ptx) == ("%globaltimer" in ptx) == trace
-    q_bytes = 2 if kreg else Q_TERMS[q_kind]
+    q_bytes = 2 * WIDE_Q_TERMS[kind][q_kind] if kind in WIDE_Q_TERMS else 2 if kreg else Q_TERMS[q_kind]
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
                                                                   q_bytes, tconv, tokens) <= SM90_SMEM
 
@@ -913,6 +1000,16 @@ def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
 
     with pytest.raises(ValueError, match="vreg"):
         build_sm90(Sm90Spec(128, "bf16", "bf16", True, False, kind="nvfp4"))
+
+
+@needs_dsl
+@pytest.mark.parametrize("option", [{"vreg": True}, {"kreg": True}, {"tconv": True}, {"lag": True},
+                                    {"refill": "late"}])
+def test_the_16_bit_wgmma_kernel_reads_its_ring_as_stored(option: dict[str, Any]) -> None:
+    from msa.backends.cute.sm90 import Sm90Spec, build_sm90
+
+    with pytest.raises(ValueError, match="as it is"):
+        build_sm90(Sm90Spec(128, "bf16", "bf16", True, False, kind="bf16", **option))
 
 
 @needs_dsl

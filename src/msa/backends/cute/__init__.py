@@ -1,16 +1,18 @@
 """The `cute` backend: sparse decode in kernels written with the CuTe DSL (`nvidia-cutlass-dsl`, an
 optional dependency: `pip install nvidia-cutlass-dsl`), compiled on first use for the GPU they run
-on. Compute capability >= 9.0, NVFP4 head-slot and fp8 caches, head dim 128, pages of a multiple
-of 16 tokens, top-k <= 32, any query length 1..32, any GQA group, bf16 / f16 / fp8 queries,
-natural-log LSE. Two kernels:
+on. Compute capability >= 9.0, NVFP4 head-slot and fp8 caches (and on Hopper bf16 and f16 ones),
+head dim 128, pages of a multiple of 16 tokens, top-k <= 32, any query length 1..32, any GQA
+group, bf16 / f16 / fp8 queries, natural-log LSE. Two kernels:
 
 - "mma" (`kernel.py`): each thread decodes its share of the code bytes straight into `mma.sync`
   operand registers; any page size of a multiple of 16, and compute capability 10.x (by name, or
   where the other cannot serve).
-- "wgmma" (`sm90.py`): a TMA ring and WGMMA on sm_90a, for fp8 and NVFP4 caches with pages of a
-  multiple of 64 tokens (fp8: the query split into fp8 terms, or with `kreg` the keys decoded into
-  f16 registers for an exact product; NVFP4: keys and values decoded into f16 operand
-  registers). The default wherever it serves.
+- "wgmma" (`sm90.py`): a TMA ring and WGMMA on sm_90a, for fp8, NVFP4, bf16 and f16 caches with
+  pages of a multiple of 64 tokens (fp8: the query split into fp8 terms, or with `kreg` the keys
+  decoded into f16 registers for an exact product; NVFP4: keys and values decoded into f16
+  operand registers; bf16 / f16: both products read the ring's stages as stored, the query in
+  terms of the cache's type, exact). The default wherever it serves; the only one for bf16 and
+  f16, which `auto` leaves to the Triton backend (not yet timed against it).
 
 `auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV
 head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of
@@ -48,9 +50,11 @@ from msa.backends.cute.config import (
     WGMMA_FUSED_MERGE,
     WGMMA_KINDS,
     WGMMA_LAG,
+    WGMMA_ONLY_LAYOUTS,
     WGMMA_REFILL,
     WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
+    WIDE_Q_TERMS,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
@@ -106,8 +110,8 @@ def _check_option(name: str, value: object, allowed: str, ok: bool) -> None:
 
 
 class CuteBackend(Backend[CutePlan]):
-    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8 and NVFP4
-    decode with a TMA ring and WGMMA on Hopper (sm_90a).
+    """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8, NVFP4, bf16
+    and f16 decode with a TMA ring and WGMMA on Hopper (sm_90a).
 
     Options (None: the measured choice): `num_splits` (>= 1), `stages` (>= 1; "wgmma": >= 2, as
     many as fit an SM's shared memory), `kernel` ("mma" / "wgmma"), `qk_chains` (1, 2 or 4) and
@@ -116,19 +120,20 @@ class CuteBackend(Backend[CutePlan]):
     `tokens` (1, 2 or 4: rows of a request a program takes, walking their pages' union once),
     `evict` ("normal", "first" or "last": the L2 eviction priority of the pages' copies) and
     `refill` ("top" or "late": when a ring copy starts) ("wgmma"; NVFP4 needs `vreg` and `kreg`,
-    `tconv` takes fp8 and `kreg`, `tokens` a uniform step and a GQA group of 8 or 16:
+    `tconv` takes fp8 and `kreg`, bf16 and f16 none of the three nor `lag` or a late refill,
+    `tokens` a uniform step and a GQA group of 8 or 16:
     `sm90.Sm90Spec` says what each does). A value no kernel
     takes raises `MSAInputError` here; one the step's kernel cannot take (too many stages for its
     shared memory, `vreg=False` on NVFP4) raises it when the step is planned."""
 
     name = "cute"
-    description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): fp8 and NVFP4 with TMA + "
-                   "WGMMA on sm_90a, mma.sync elsewhere")
+    description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): fp8, NVFP4, bf16 and f16 "
+                   "with TMA + WGMMA on sm_90a, fp8 and NVFP4 with mma.sync elsewhere")
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         min_capability=(9, 0),
         packages=("cutlass_dsl",),
-        kv_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
+        kv_layouts=frozenset({"nvfp4", "fp8_e4m3"}) | WGMMA_ONLY_LAYOUTS,
         auto_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         head_dims=frozenset({128}),
@@ -177,6 +182,10 @@ class CuteBackend(Backend[CutePlan]):
         wgmma_why = wgmma_serves(problem, platform.capability)
         if self.kernel == "wgmma" and wgmma_why is not None:
             reasons.append(f"kernel='wgmma' was asked for: {wgmma_why}")
+        if problem.kv_layout in WGMMA_ONLY_LAYOUTS and ((self.kernel is None and wgmma_why is not None)
+                                                        or self.kernel == "mma"):
+            why = wgmma_why or "kernel='mma' was asked for, which reads fp8 and nvfp4 caches only"
+            reasons.append(f"a {problem.kv_layout} cache is read by the wgmma kernel only: {why}")
         if g.page_size % 16:
             reasons.append(f"page size {g.page_size} is not a multiple of 16")
         if g.topk > 32:
@@ -242,7 +251,8 @@ class CuteBackend(Backend[CutePlan]):
             kreg = (shape.kreg or tconv) if self.kreg is None else self.kreg
             lag = WGMMA_LAG if self.lag is None else self.lag
             _check_option("lag", lag, "False (or None) with tokens > 1", not (lag and tokens > 1))
-            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg, tconv, tokens)
+            refill = WGMMA_REFILL_DEFAULT if self.refill is None else self.refill
+            self._check_wgmma_shape(problem, stages, wgs, vreg, kreg, tconv, tokens, lag, refill)
             if self.num_splits is not None:
                 splits = self.num_splits
             elif (stages, wgs, vreg) == (shape.stages, shape.wgs, shape.vreg):
@@ -258,7 +268,7 @@ class CuteBackend(Backend[CutePlan]):
                               if self.cluster is None else self.cluster,
                               evict=wgmma_evict(problem, sm_count, stages, wgs, vreg, splits, tokens)
                               if self.evict is None else self.evict,
-                              refill=WGMMA_REFILL_DEFAULT if self.refill is None else self.refill)
+                              refill=refill)
         for name, asked, default in (("evict", self.evict, WGMMA_EVICT_DEFAULT),
                                      ("refill", self.refill, WGMMA_REFILL_DEFAULT)):
             _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",
@@ -288,10 +298,13 @@ class CuteBackend(Backend[CutePlan]):
             splits += " merged in the kernel" if c.fused else " merged by the Triton merge kernel"
         if c.kernel == "mma":
             return f"mma kernel (mma.sync, operands decoded in registers): {splits}, {c.stages} steps in flight"
+        wide = problem.kv_layout in WGMMA_ONLY_LAYOUTS
         scores = ("keys converted to f16 on the tensor cores, f16 query (exact product)" if c.tconv
                   else "keys decoded into f16 registers, f16 query (exact product)" if c.kreg
+                  else "keys from the ring as stored, the query in terms of their type (exact product)" if wide
                   else "fp8 product of the query's fp8 terms (fp8 accumulation, ~1e-3 relative error)")
-        values = "values in registers" if c.vreg else "values through an f16 copy in shared memory"
+        values = ("values in registers" if c.vreg else "values from the ring as stored" if wide
+                  else "values through an f16 copy in shared memory")
         union = (f"; {c.tokens} rows of a request a program, their selected pages' union walked once"
                  if c.tokens > 1 else "")
         return (f"wgmma kernel (TMA ring + WGMMA, sm_90a): {splits}, {c.stages}-stage ring, {c.wgs} warpgroup"
@@ -299,9 +312,15 @@ class CuteBackend(Backend[CutePlan]):
 
     @staticmethod
     def _check_wgmma_shape(problem: DecodeProblem, stages: int, wgs: int, vreg: bool, kreg: bool,
-                           tconv: bool = False, tokens: int = 1) -> None:
+                           tconv: bool = False, tokens: int = 1, lag: bool = False, refill: str = "top") -> None:
         """Refuse a shape the wgmma kernel cannot run for `problem` (named by the option to change)."""
         kind = WGMMA_KINDS[problem.kv_layout]
+        wide = problem.kv_layout in WGMMA_ONLY_LAYOUTS
+        for name, flag in (("tconv", tconv), ("vreg", vreg), ("kreg", kreg), ("lag", lag)):
+            _check_option(name, flag, f"False (or None) for {problem.kv_layout}: both products read its ring's stages "
+                          "as stored", not (flag and wide))
+        _check_option("refill", refill, f"'top' (or None) for {problem.kv_layout}: a stage refills once its values' "
+                      "product has retired", not (refill == "late" and wide))
         for name, flag, what in (("vreg", vreg, "values"), ("kreg", kreg, "keys")):
             _check_option(name, flag, f"True (or None) for nvfp4: the wgmma kernel decodes its {what} into registers",
                           flag or kind != "nvfp4")
@@ -311,7 +330,8 @@ class CuteBackend(Backend[CutePlan]):
                       kreg or not tconv)
         _check_option("stages", stages, "at least 2 for the wgmma kernel (its ring keeps a tile in flight)",
                       stages >= 2)
-        q_bytes = 2 if kreg else Q_TERMS[Q_KINDS[problem.q_dtype]]
+        q_kind = Q_KINDS[problem.q_dtype]
+        q_bytes = 2 * WIDE_Q_TERMS[kind][q_kind] if wide else 2 if kreg else Q_TERMS[q_kind]
         need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
                                 wgmma_heads(problem.geometry.group_size) * tokens, q_bytes, tconv, tokens)
         _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "

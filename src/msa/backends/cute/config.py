@@ -12,7 +12,8 @@ __all__ = [
     "CuteConfig", "choose_splits", "choose_min_ctas", "max_stages", "programs", "CTAS_PER_SM", "WARPS", "STEP",
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
-    "WGMMA_DEFAULT_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WGMMA_FUSED_MERGE", "WGMMA_LAG",
+    "WGMMA_DEFAULT_LAYOUTS", "WGMMA_ONLY_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WIDE_Q_TERMS",
+    "WGMMA_FUSED_MERGE", "WGMMA_LAG",
     "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "WGMMA_EVICT_FIRST_CTAS_PER_SM", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
     "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
     "wgmma_ctas_per_sm",
@@ -63,13 +64,16 @@ _MIN_STEPS_PER_WARP = 4
 
 #: The backend's kernels: "mma" (`kernel.py`: `mma.sync`, each thread decoding its operands in
 #: registers; NVFP4 and fp8, any page size of a multiple of 16) and "wgmma" (`sm90.py`: TMA ring
-#: and WGMMA; fp8 and NVFP4 on compute capability 9.x, pages of a multiple of 64 tokens).
+#: and WGMMA; fp8, NVFP4, bf16 and f16 on compute capability 9.x, pages of a multiple of 64 tokens).
 KERNELS = ("mma", "wgmma")
 #: The wgmma kernel's cache kind per layout.
-WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}
+WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "float16": "f16"}
+#: The layouts only the wgmma kernel reads (16-bit caches: the products' operands as stored).
+WGMMA_ONLY_LAYOUTS = frozenset({"bfloat16", "float16"})
 #: Layouts whose steps take the wgmma kernel by default (where it serves; the mma kernel otherwise):
-#: both, measured faster than the mma kernel (`choose_wgmma_shape`).
-WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"})
+#: fp8 and NVFP4, measured faster than the mma kernel (`choose_wgmma_shape`), and the 16-bit ones,
+#: which the mma kernel does not read.
+WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"}) | WGMMA_ONLY_LAYOUTS
 #: fp8 steps of at most 3 CTAs per SM take the wgmma kernel's exact f16 score product (keys
 #: decoded into registers) by default. H200, M3 fp8 at 64K (benchmarks/precision.py,
 #: bench_cute.py): the fp8 product of the query's fp8 terms adds ~1e-3 relative error to the
@@ -128,6 +132,12 @@ Q_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e
 #: fp8 terms of the query in the wgmma kernel's fp8 score product, per query kind (exact for bf16
 #: with two, for f16 with three). Its NVFP4 product takes one f16 term for every query kind.
 Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
+#: Terms of the query in the wgmma kernel's score product with a 16-bit cache, per cache and query
+#: kind, each of the cache's type (the product takes both operands of one type): as given where it
+#: holds the query exactly (a bf16 query, an fp8 one), an f16 query two bf16 terms (hi + lo: 11
+#: significant bits in 8 + 3), a bf16 query one f16 term scaled by a power of two (its 8 bits fit;
+#: exact from 2^-21 of the head's largest element, as the f16 term of `kreg`).
+WIDE_Q_TERMS = {"bf16": {"bf16": 1, "f16": 2, "e4m3": 1}, "f16": {"f16": 1, "bf16": 1, "e4m3": 1}}
 #: Shared memory one CTA may take on compute capability 9.x.
 SM90_SMEM = 227 * 1024
 #: Shared memory of one SM of compute capability 9.x, and what each resident CTA of it reserves.
@@ -225,7 +235,7 @@ def choose_min_ctas(problem: DecodeProblem, sm_count: int, splits: int) -> int:
 def wgmma_serves(problem: DecodeProblem, capability: tuple[int, int] | None) -> str | None:
     """Why the wgmma kernel cannot serve `problem` on a GPU of `capability`, or None."""
     if problem.kv_layout not in WGMMA_KINDS:
-        return f"the wgmma kernel reads fp8 and nvfp4 caches, not {problem.kv_layout}"
+        return f"the wgmma kernel reads fp8, nvfp4, bf16 and f16 caches, not {problem.kv_layout}"
     if capability is None or capability[0] != 9:
         return "the wgmma kernel is compiled for sm_90a (compute capability 9.x)"
     if problem.geometry.page_size % 64:
@@ -285,22 +295,25 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
     """Shared memory of one CTA of the wgmma kernel: its struct (`sm90.py`'s `Storage`) laid out
     field by field with the same alignments — per warpgroup a ring of `stages` stages (a tile's
     64 keys and 64 values: fp8 2 x 8 KiB; NVFP4 2 x 4 KiB of codes and 2 x 512 bytes of block
-    scales), f16 weights, an f16 copy of fp8 values unless `vreg`, the output
+    scales; a 16-bit cache, kind "bf16" / "f16", 2 x 16 KiB), 16-bit weights, an f16 copy of fp8
+    values unless `vreg` (none for a 16-bit cache: the product reads the stage), the output
     staging tile where the ring cannot hold it (NVFP4; fp8 at 32 columns and 2 stages); per
-    CTA the query (`q_bytes` a head element: its fp8 terms, or 2 for one f16 term), `tconv`'s
+    CTA the query (`q_bytes` a head element: its fp8 or 16-bit terms, or 2 for one f16 term), `tconv`'s
     identity tile, the tile tables of a row's 32 pages, the barriers and the
     softmax exchange; with `tokens` > 1 (`heads` the columns of all of them) the tile tables of
     their pages' union, each tile's tokens' visible counts and the hash table that merges them."""
     nvfp4 = kind == "nvfp4"
+    wide = kind in WIDE_Q_TERMS
+    row = 64 if nvfp4 else 256 if wide else 128  # a token's bytes of a stage's keys (or values)
     n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64) * tokens, heads * wgs
     slots = WGMMA_HASH_SLOTS * tokens
     union = [(4 * n_tiles, 4), (4 * slots, 4), (4 * slots, 4)] if tokens > 1 else [(4, 4)] * 3
     fields = [  # (bytes, alignment) in the struct's order
-        (n_st * 64 * (64 if nvfp4 else 128), 1024), (n_st * 64 * (64 if nvfp4 else 128), 1024),  # keys, values
+        (n_st * 64 * row, 1024), (n_st * 64 * row, 1024),  # keys, values
         (heads * 128 * (2 if nvfp4 else q_bytes), 1024), (heads * 64 * 2 * wgs, 1024),
-        (16, 16) if vreg else (128 * 64 * 2 * wgs, 1024),
+        (16, 16) if vreg or wide else (128 * 64 * 2 * wgs, 1024),
         (n_st * 512 if nvfp4 else 16, 128), (n_st * 512 if nvfp4 else 16, 128),  # their block scales
-        (4 * (wgs * heads * 132 if nvfp4 or heads * 132 * 4 > stages * 64 * 128 else 4), 16),
+        (4 * (wgs * heads * 132 if nvfp4 or heads * 132 * 4 > stages * 64 * row else 4), 16),
         (1024, 1024) if tconv else (16, 16),
         (8 * n_st, 8), (8 * n_st, 8), (4 * n_tiles, 4), (4 * n_tiles, 4), (4 * n_tiles, 4), *union, (16, 4),
         (32 * n_c, 16), (4 * n_c, 4), (16 * n_c, 4), (4 * n_c, 4)]
@@ -380,9 +393,11 @@ def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vr
 
 
 def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
-    """The fewest (row, KV head, head chunk) programs `auto` gives the wgmma kernel (`WGMMA_AUTO_MIN_PROGRAMS`)."""
+    """The fewest (row, KV head, head chunk) programs `auto` gives the wgmma kernel
+    (`WGMMA_AUTO_MIN_PROGRAMS`; 0 for the 16-bit caches, which `auto` does not give the backend:
+    its `Capabilities.auto_layouts`)."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
-    return WGMMA_AUTO_MIN_PROGRAMS[(kind, wgmma_heads(problem.geometry.group_size))]
+    return WGMMA_AUTO_MIN_PROGRAMS.get((kind, wgmma_heads(problem.geometry.group_size)), 0)
 
 
 @attrs.frozen
@@ -431,6 +446,8 @@ def _keys_in_registers(problem: DecodeProblem) -> bool:
     256, every query takes the fp8 product already)."""
     if problem.kv_layout == "nvfp4":
         return True
+    if problem.kv_layout in WGMMA_ONLY_LAYOUTS:  # (16-bit keys are the product's operand as stored)
+        return False
     return WGMMA_FP8_KREG and Q_KINDS.get(problem.q_dtype) != "e4m3"
 
 
@@ -478,9 +495,17 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     the values', against 124) leave 3 CTAs per SM instead of 4 and a second partial wave: TP1
     B = 128 / 256 95.0 / 147.3 us with them against 80.9 / 145.0 without (Triton 92.8 / 172.3).
 
+    A 16-bit cache (bf16, f16: read by both products from the ring as stored, 16 KiB a stage's keys)
+    takes one warpgroup of 3 stages where its programs fit 2 CTAs an SM, else 2 (3 CTAs an SM),
+    and the splits that fill the SMs once (`choose_wgmma_splits`) — a first rule from the ring's
+    shared memory, not yet timed against other shapes.
+
     With `tokens` > 1 rows of a request a program: `_union_shape`."""
     if tokens > 1:
         return _union_shape(problem, sm_count, tokens)
+    if problem.kv_layout in WGMMA_ONLY_LAYOUTS:
+        stages = 3 if wgmma_programs(problem) <= sm_count * wgmma_ctas_per_sm(3, 1, False, "bf16") else 2
+        return WgmmaShape(choose_wgmma_splits(problem, sm_count, stages), stages, 1, False, False)
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"
     kreg = _keys_in_registers(problem)

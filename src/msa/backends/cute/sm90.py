@@ -1,5 +1,5 @@
-"""The Hopper-native sparse-decode kernel (CuTe DSL; TMA + WGMMA; sm_90a), for fp8 and NVFP4
-caches. Import only where `nvidia-cutlass-dsl` is installed.
+"""The Hopper-native sparse-decode kernel (CuTe DSL; TMA + WGMMA; sm_90a), for fp8, NVFP4, bf16
+and f16 caches. Import only where `nvidia-cutlass-dsl` is installed.
 
 A CTA of one or two consumer warpgroups serves one (row, KV head, chunk of `nc` query heads,
 split). Its selected pages are walked as 64-token tiles:
@@ -10,7 +10,9 @@ split). Its selected pages are walked as 64-token tiles:
   first copies start before the CTA's first barrier, as soon as warp 0 has the row's tile list
   (the other warps convert the query meanwhile). An fp8 tile is two
   copies (64 keys, 64 values; 128-byte swizzle); an NVFP4 tile is four (the keys' and the
-  values' E2M1 codes, 64-byte swizzle, and their E4M3 block scales: 9 KiB in all).
+  values' E2M1 codes, 64-byte swizzle, and their E4M3 block scales: 9 KiB in all); a 16-bit
+  tile is 32 KiB, each half two 64-dimension boxes (the values' in dims x tokens order: the value
+  product's MN-major operand as it lands).
 - **Walk order.** A program of one row walks its entries in ascending block order, whatever
   order its list has (ranked across warp 0 while their pages load), so that the rows of a
   request, which share most of their pages in speculative decoding, read a shared page at about
@@ -36,6 +38,11 @@ split). Its selected pages are walked as 64-token tiles:
   meet in shared memory behind one barrier. The accumulator is rescaled only when a head's
   maximum moved. Tokens past the row's visible length score -inf and their values are zeroed
   before the product (whatever bytes they hold: an NVFP4 token's block scales are zeroed).
+- **16-bit caches** (bf16, f16): both products read the ring's stages as they landed (no decode,
+  no copy), the query in terms of the cache's type (`config.WIDE_Q_TERMS`: exact), the weights
+  of the cache's type too (bf16 weights beside a bf16 cache: 2^-9 relative, as the Triton
+  kernel's). A stage goes back to the ring once its value product has retired (the next tile,
+  after the maxima barrier) and is refilled there: one tile fewer ahead than the decoded kinds.
 - **Values.** `O^T += V^T P^T` (`wgmma` M = head dim, N = `nc`) with f16 probabilities in shared
   memory, issued asynchronously and overlapping the next tile's copy wait and scores. The value
   operand is either an f16 copy of the fp8 tile in shared memory, or (`vreg`; always for NVFP4)
@@ -81,6 +88,7 @@ from msa.backends.cute.config import (
     WGMMA_REFILL,
     WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
+    WIDE_Q_TERMS,
 )
 
 __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "score_mma", "store_weights", "weights_layout",
@@ -89,7 +97,9 @@ __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "score_mm
 #: Tokens per tile (the score product's M, a TMA box's rows).
 TILE = 64
 #: The caches the kernel reads.
-CACHE_KINDS = ("fp8", "nvfp4")
+CACHE_KINDS = ("fp8", "nvfp4", "bf16", "f16")
+#: The 16-bit caches: keys and values are the products' operands as stored, read by WGMMA from the ring.
+WIDE_KINDS = ("bf16", "f16")
 _THREADS = 128
 #: Floats of a row each thread of that merge takes from every split (one vector load each).
 _CLUSTER_VEC = 4
@@ -291,27 +301,30 @@ def weights_layout(nc: int, wgs: int) -> Any:
     return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, nc, TILE), cutlass.Float16, wgs)
 
 
-def score_mma(kreg: bool, nc: int) -> Any:
+def score_mma(kreg: bool, nc: int, kind: str = "fp8") -> Any:
     """The score product's tiled WGMMA (M = a tile's tokens, N = `nc` columns; call while
-    tracing): f16 keys in registers and an f16 query (`kreg`), or fp8 keys and query terms in
-    shared memory. Its accumulator fragment is the order of a thread's scores and weights."""
-    dtype = cutlass.Float16 if kreg else cutlass.Float8E4M3FN
+    tracing): f16 keys in registers and an f16 query (`kreg`), or the keys and query terms in
+    shared memory (fp8, or a 16-bit cache's `kind`: "bf16" / "f16"). Its accumulator fragment
+    is the order of a thread's scores and weights."""
+    wide = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+    dtype = cutlass.Float16 if kreg else wide.get(kind, cutlass.Float8E4M3FN)
     source = warpgroup.OperandSource.RMEM if kreg else warpgroup.OperandSource.SMEM
     k_major = cute.nvgpu.OperandMajorMode.K
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, Float32, (1, 1, 1), tiler_mn=(TILE, nc),
                                              a_source=source)
 
 
-def store_weights(p_at: Any, pk: Any, ns: int) -> None:
+def store_weights(p_at: Any, pk: Any, ns: int, dtype: Any = cutlass.Float16) -> None:
     """The thread's weights `pk` (f32, in wgmma's accumulator order: element e is token g + 8
-    ((e // 2) % 2) of the warp's 16, head 8 (e // 4) + 2 t4 + e % 2) into the f16 weight tile,
+    ((e // 2) % 2) of the warp's 16, head 8 (e // 4) + 2 t4 + e % 2) into the weight tile (f16,
+    or `dtype`: bf16 beside a bf16 cache's values),
     two at a time, a warp's 16 tokens x 8 heads (two matrices) an `stmatrix .trans` pair (four a
     store; two at 8 heads), the thread's row address of the first four `p_at` (the next four's
     2048 bytes on: 16 heads on)."""
     if ns != 4 and ns % 8:
         raise ValueError(f"{ns} weights a thread: stmatrix stores 8 heads (4 weights) or multiples of 16 (8)")
-    half = cute.make_rmem_tensor(cute.make_layout(ns), cutlass.Float16)
-    half.store(pk.load().to(cutlass.Float16))
+    half = cute.make_rmem_tensor(cute.make_layout(ns), dtype)
+    half.store(pk.load().to(dtype))
     words = cute.recast_tensor(half, Int32)
     if ns == 4:
         ptx.stsm_t(p_at, [words[0], words[1]])
@@ -367,6 +380,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     NVFP4 = spec.kind == "nvfp4"
     if NVFP4 and not spec.vreg:
         raise ValueError("the NVFP4 kernel decodes the values into registers (vreg)")
+    WIDE = spec.kind in WIDE_KINDS  # a 16-bit cache: both products read the ring's stages as they are
+    if WIDE and (spec.vreg or spec.kreg or spec.tconv or spec.lag or spec.refill == "late"):
+        raise ValueError(f"a {spec.kind} cache is read by both products from the ring as it is: not with vreg, kreg, "
+                         "tconv, lag or a late refill")
     CL = spec.cluster
     if CL and not (spec.fused and not spec.final and 2 <= CL <= WGMMA_MAX_CLUSTER):
         raise ValueError(f"cluster {CL}: the fused merge of 2 .. {WGMMA_MAX_CLUSTER} splits (not final)")
@@ -386,7 +403,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     if TCONV and NVFP4:
         raise ValueError("tconv converts fp8 keys on the tensor cores (not NVFP4 codes)")
     KREG = spec.kreg or NVFP4 or TCONV  # keys in f16 registers, one f16 query term
-    TERMS = 1 if KREG else Q_TERMS[spec.q_kind]
+    TERMS = WIDE_Q_TERMS[spec.kind][spec.q_kind] if WIDE else 1 if KREG else Q_TERMS[spec.q_kind]
     LAG = spec.lag
     LATE = spec.refill == "late"
     WGS = spec.wgs
@@ -405,13 +422,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
     Q_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}[spec.q_kind]
     OROW = D + 4  # staged output row (floats), padded
     CODE = D // 2  # NVFP4 code bytes a token
-    STAGE_BYTES = TILE * (CODE if NVFP4 else D)  # one stage of the key (or value) ring
+    STAGE_BYTES = TILE * (CODE if NVFP4 else 2 * D if WIDE else D)  # one stage of the key (or value) ring
     SCALE_BYTES = TILE * D // 16  # NVFP4 block scales of a tile
     OWN_SO = NVFP4 or NC * OROW * 4 > ST * STAGE_BYTES  # the output tile needs its own buffer (not the ring)
     SCALE_BOX = (TILE // 16, 128)  # ... as a TMA box: 4 rows of 128 bytes
     final, write_lse, q_kind, out_kind = spec.final, spec.write_lse, spec.q_kind, spec.out_kind
     fp8 = cutlass.Float8E4M3FN
     f16 = cutlass.Float16
+    # the ring's element type, the query terms' and the weights' (the value product's B operand)
+    wide_t = cutlass.BFloat16 if spec.kind == "bf16" else f16
+    KV_T = wide_t if WIDE else fp8
+    QT = wide_t if WIDE else f16 if KREG else fp8
+    PT = wide_t if WIDE else f16
 
     built: dict[str, Any] = {}  # the shared-memory struct, made while tracing `host`
 
@@ -466,7 +488,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         sQ = st.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sP = st.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
         sK = st.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sV = st.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        v_layout = vb_layout if WIDE else kv_layout  # (a 16-bit cache's values: the value product's stages)
+        sV = st.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
 
         # the prologue is ordered for the first TMA copy: warp 0 starts the row's index chain (its
         # entries, then their block-table pages: two dependent DRAM round trips) and opens the
@@ -495,14 +518,18 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
         # TMA views: (TMA, stage) in shared memory, (TMA, tile-in-page, head, page) in the cache;
         # one entry per copy of a tile: its atom, cache view, stage buffer and box
+        # (a box of tokens x bytes, or with a 16-bit cache's values dims x tokens: the index of the
+        # tile in the page is the divided view's third mode, or its fourth)
         box = (TILE, CODE) if NVFP4 else (TILE, D)
-        tma_parts = [(tma_k, gK, sK, box), (tma_v, gV, sV, box)]
+        tma_parts = [(tma_k, gK, sK, box, True), (tma_v, gV, sV, (D, TILE) if WIDE else box, not WIDE)]
         if cutlass.const_expr(NVFP4):
-            tma_parts += [(tma_ks, gKs, st.sKs.get_tensor(sc_layout), SCALE_BOX),
-                          (tma_vs, gVs, st.sVs.get_tensor(sc_layout), SCALE_BOX)]
+            tma_parts += [(tma_ks, gKs, st.sKs.get_tensor(sc_layout), SCALE_BOX, True),
+                          (tma_vs, gVs, st.sVs.get_tensor(sc_layout), SCALE_BOX, True)]
         copies = []
-        for atom, gsrc, sdst, tbox in tma_parts:
-            tiles_g = cute.flat_divide(gsrc, tbox)[None, None, None, 0, None, None]
+        for atom, gsrc, sdst, tbox, rows_first in tma_parts:
+            tiles_g = cute.flat_divide(gsrc, tbox)
+            tiles_g = (tiles_g[None, None, None, 0, None, None] if rows_first
+                       else tiles_g[None, None, 0, None, None, None])
             copies.append((atom, *cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                                    cute.group_modes(sdst, 0, 2),
                                                                    cute.group_modes(tiles_g, 0, 2))))
@@ -649,7 +676,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 for i in cutlass.range_constexpr(4):
                     xs[4 * w + i] = vals[i]
         scale = Float32(1.0)
-        if cutlass.const_expr(TERMS > 1 or (KREG and q_kind == "bf16")):
+        if cutlass.const_expr(TERMS > 1 or (q_kind == "bf16" and (KREG or spec.kind == "f16"))):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(EPT):
                 amax = ptx.fmax(amax, ptx.fmax(xs[i], -xs[i]))
@@ -677,9 +704,9 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     col = 16 * (dq % 32 // 4) + 2 * (dq // 32) + dq % 2 + 8 * (dq % 4 // 2)
                 sQ[qr, col, 0] = term[i]
         else:
-            for t in cutlass.range_constexpr(TERMS):
-                term = cute.make_rmem_tensor(cute.make_layout(EPT), fp8)
-                term.store(xs.load().to(fp8))
+            for t in cutlass.range_constexpr(TERMS):  # fp8 terms, or a 16-bit cache's terms of its type
+                term = cute.make_rmem_tensor(cute.make_layout(EPT), QT)
+                term.store(xs.load().to(QT))
                 if cutlass.const_expr(t + 1 < TERMS):
                     xs.store(xs.load() - term.load().to(Float32))
                 for i in cutlass.range_constexpr(EPT):
@@ -758,6 +785,17 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             else:
                 v_row = 8 * (lane // 8 % 2) + lane % 8
                 v_base = st.sV.data_ptr().toint() + v_row * D + (((2 * wwarp + lane // 16) ^ (lane % 8)) * 16)
+        elif cutlass.const_expr(WIDE):
+            # the value product reads the ring's stage (`tOrV[..., stage]`); the tokens of a tile past
+            # its row's visible length are zeroed in the stage first, 8 elements (16 bytes) a copy
+            tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sV))
+            zero_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), KV_T, num_bits_per_copy=128)
+            zc = cute.make_tiled_copy_tv(zero_atom, cute.make_ordered_layout((_THREADS // (D // 8), D // 8),
+                                                                             order=(1, 0)),
+                                         cute.make_layout((1, 8)))
+            zc_thr = zc.get_slice(wtid)
+            vzdst = zc_thr.partition_D(cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2])))
+            vcoord = zc_thr.partition_S(cute.make_identity_tensor((TILE, D)))
         else:
             sVb = st.sVb.get_tensor(vb_layout.outer, swizzle=vb_layout.inner)
             tOrV = pv_mma.make_fragment_A(pv_thr.partition_A(sVb))[(None, None, None, wg)]
@@ -830,7 +868,15 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                         _issue(copies, full + ls, ls, tx_bytes, tile_idx[t0 + WGS * lu], h, tile_page[t0 + WGS * lu],
                                policy)
 
-            if cutlass.const_expr(not LATE):
+            def release_last(u: Any) -> None:  # (a 16-bit cache)
+                """The last tile's stage back to the ring, now that its value product (the stage is
+                its A operand) has retired (every warp of the warpgroup waited for it before the
+                barrier this follows), and refilled with tile `u + ST - 1`."""
+                if wtid == 0 and u > 0:
+                    cute.arch.mbarrier_arrive(empty + sb + (u + ST - 1) % ST)
+                refill(u)
+
+            if cutlass.const_expr(not LATE and not WIDE):  # (a 16-bit stage refills once its values' product retired)
                 refill(u)
             cute.arch.mbarrier_wait(full + stage, (u // ST) % 2)
             _mark_tile(TRACE, trace_at, tracer, u, "copied")
@@ -920,6 +966,8 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             if vis < TILE:
                                 bits = ptx.keep_low_bytes(bits, vis - (16 * kk + 8 * half + 2 * t4))
                             vsc[2 * kk + half] = ptx.e4m3x2_scale(bits, 128)
+            elif cutlass.const_expr(WIDE):
+                vw, vsc = None, None  # (the product reads the stage)
             else:
                 vsrc = cvt_thr.partition_S(sV[None, None, stage])
                 NCV = cute.size(vsrc, mode=[1])
@@ -933,11 +981,12 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             warpgroup.wait_group(0)  # this tile's scores and the last tile's values retired
             _mark_tile(TRACE, trace_at, tracer, u, "scores")
 
-            def values(vis: Any, words: Any, scales: Any) -> None:  # (called once the column maxima are out)
+            def values(vis: Any, words: Any, scales: Any, stage: Any) -> None:  # (once the column maxima are out)
                 """This tile's values into the value product's operand, now that the last tile's
                 product has retired: its `ldmatrix` words (and NVFP4 block-scale pairs) decoded into
                 the A registers (`vreg`), or its fp8 registers (`words`) converted into the f16 copy
-                in shared memory, the tokens past the row's visible `vis` zeroed."""
+                in shared memory, the tokens past the row's visible `vis` zeroed (a 16-bit cache's
+                in its ring `stage`, which the product reads)."""
                 if cutlass.const_expr(VREG):
                     for kk in cutlass.range_constexpr(4):
                         for half in cutlass.range_constexpr(2):  # tokens 2 t4 (+ 1), then 2 t4 + 8 (+ 1)
@@ -956,6 +1005,13 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                                     pair = ptx.e4m3x4_to_f16x2(word)
                                     tOrV32[half * 2, mb, kk] = pair[0]
                                     tOrV32[half * 2 + 1, mb, kk] = pair[1]
+                elif cutlass.const_expr(WIDE):
+                    if vis < TILE:  # the row ends inside this tile: zero the stage's tokens past it
+                        vz = cute.make_rmem_tensor(cute.make_layout(cute.size(vzdst, mode=[0])), KV_T)
+                        vz.fill(0.0)
+                        for c in cutlass.range_constexpr(cute.size(vzdst, mode=[1])):
+                            if vcoord[0, c, 0][0] >= vis:
+                                cute.autovec_copy(vz, vzdst[None, c, 0, stage])
                 else:
                     VW, NCV = cute.size(words, mode=[0]), cute.size(words, mode=[1])
                     vh = cute.make_rmem_tensor(cute.make_layout(VW), f16)
@@ -987,8 +1043,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             m = _warp_column_max(sv, e)
                             if lane < 4:
                                 colmax[wwarp, buf + tScS[e][1]] = m
-                values(vis, vw, vsc)
+                values(vis, vw, vsc, stage)
                 _wg_barrier(wg, WGS)
+                if cutlass.const_expr(WIDE):
+                    release_last(u)
                 _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                 for j in cutlass.range_constexpr(T):
                     if vt[j] > 0:
@@ -1002,7 +1060,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = mcol[ci]
                         for e in cutlass.range_constexpr(j * EJ, (j + 1) * EJ):
                             pk[e] = Float32(0.0)
-                store_weights(p_at, pk, NS)
+                store_weights(p_at, pk, NS, PT)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 _wg_barrier(wg, WGS)
                 _mark_tile(TRACE, trace_at, tracer, u, "weights")
@@ -1020,9 +1078,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     m = _warp_column_max(sv, e)
                     if lane < 4:
                         colmax[wwarp, buf + tScS[e][1]] = m
-                values(vis, vw, vsc)
+                values(vis, vw, vsc, stage)
                 if cutlass.const_expr(not LAG):
                     _wg_barrier(wg, WGS)
+                    if cutlass.const_expr(WIDE):
+                        release_last(u)
                     _mark_tile(TRACE, trace_at, tracer, u, "maxima")
                     for ci in cutlass.range_constexpr(NCOL):
                         mnew[ci] = ptx.fmax(mcol[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
@@ -1036,7 +1096,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     if cutlass.const_expr(LAG):
                         over = over | _flag(d > _LAG_LIMIT)
                     pk[e] = cute.arch.exp2(d)
-                store_weights(p_at, pk, NS)
+                store_weights(p_at, pk, NS, PT)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if cutlass.const_expr(LAG):
                     # the offset (the maximum through the last tile) left some weight above 2^15 (and
@@ -1046,15 +1106,16 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                             mnew[ci] = ptx.fmax(moff[ci], _tile_max(colmax, buf + tScS[4 * (ci // 2) + ci % 2][1]))
                         for e in cutlass.range_constexpr(NS):
                             pk[e] = cute.arch.exp2(sv[e] - mnew[2 * (e // 4) + e % 2])
-                        store_weights(p_at, pk, NS)
+                        store_weights(p_at, pk, NS, PT)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "weights")
                 else:
                     _wg_barrier(wg, WGS)
                     _mark_tile(TRACE, trace_at, tracer, u, "weights")
-            if wtid == 0:
-                cute.arch.mbarrier_arrive(empty + stage)
+            if cutlass.const_expr(not WIDE):  # noqa: SIM102 - (16-bit: once its values' product retired, `release_last`)
+                if wtid == 0:
+                    cute.arch.mbarrier_arrive(empty + stage)
             _mark_tile(TRACE, trace_at, tracer, u, "done")
             moved = Int32(0)
             for ci in cutlass.range_constexpr(NCOL):
@@ -1076,7 +1137,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                     accO[e] = accO[e] * a
             if cutlass.const_expr(not KREG):
                 warpgroup.fence()
-                cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
+                cute.gemm(pv_mma, accO, tOrV[(None, None, None, stage)] if WIDE else tOrV, tOrP, accO)
                 warpgroup.commit_group()
 
         if cutlass.const_expr(KREG):  # the last tile's values
@@ -1259,19 +1320,25 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
              stride_lr: Int64, stride_lh: Int64, num_kv_heads: Int32, group: Int32, num_topk: Int32,
              num_rows: Int32, row_tokens: Int32, stream: cuda.CUstream) -> None:
         gmem = cute.AddressSpace.gmem
-        # a stage of keys (values): fp8 rows of D bytes, or NVFP4 rows of D / 2 code bytes
-        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, CODE if NVFP4 else D), fp8,
+        # a stage of keys (values): fp8 rows of D bytes, NVFP4 rows of D / 2 code bytes, or 16-bit
+        # rows of D elements (the score product's A operand, K-major)
+        kv_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE, NC, CODE if NVFP4 else D), KV_T,
                                                   WGS * ST)
         # the NVFP4 block scales of a tile: 512 contiguous bytes, as the box's rows
         sc_layout = cute.make_layout((*SCALE_BOX, WGS * ST), stride=(SCALE_BOX[1], 1, SCALE_BYTES))
-        vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), f16, WGS)
+        # the value product's A operand in shared memory (D x 64 tokens, MN-major): a warpgroup's f16
+        # copy of its fp8 tile, or with a 16-bit cache the ring's value stages themselves (the TMA
+        # copies write the tokens' rows into it)
+        vb_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, NC, TILE), wide_t if WIDE else f16,
+                                                  WGS * ST if WIDE else WGS)
         p_layout = weights_layout(NC, WGS)
-        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), f16 if KREG else fp8, TERMS)
+        q_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, NC, D), QT, TERMS)
         # the identity tile of the keys' conversion product (tconv: its B, 32 x 32)
         ik_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE, 32, 32), fp8, 1)
 
         n_st, n_tiles, n_c = WGS * ST, NTMAX, NC * WGS
-        n_vb = 8 if VREG else cute.cosize(vb_layout)
+        n_vb = 8 if VREG or WIDE else cute.cosize(vb_layout)
+        n_v = cute.cosize(vb_layout) if WIDE else cute.cosize(kv_layout)
         n_sc = WGS * ST * SCALE_BYTES if NVFP4 else 16
         n_o = WGS * NC * OROW if OWN_SO else 4
         n_ik = cute.cosize(ik_layout) if TCONV else 16
@@ -1279,11 +1346,11 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
 
         @cute.struct
         class Storage:  # the 1024-aligned operand buffers first, the small fields after (no padding between)
-            sK: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(kv_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[f16 if KREG else fp8, cute.cosize(q_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[f16, cute.cosize(p_layout)], 1024]
-            sVb: cute.struct.Align[cute.struct.MemRange[f16, n_vb], 16 if VREG else 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[KV_T, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[KV_T, n_v], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[QT, cute.cosize(q_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[PT, cute.cosize(p_layout)], 1024]
+            sVb: cute.struct.Align[cute.struct.MemRange[f16, n_vb], 16 if VREG or WIDE else 1024]
             sKs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
             sVs: cute.struct.Align[cute.struct.MemRange[fp8, n_sc], 128]
             sO: cute.struct.Align[cute.struct.MemRange[Float32, n_o], 16]
@@ -1319,18 +1386,25 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
             tma_vs, gVs = cute.nvgpu.cpasync.make_tiled_tma_atom(op, views[3], one_sc, SCALE_BOX)
             tx_bytes = 2 * (cute.size_in_bytes(fp8, one) + cute.size_in_bytes(fp8, one_sc))
         else:
-            k_view = cute.make_tensor(cute.make_ptr(fp8, k_base, gmem, assumed_align=16),
+            k_view = cute.make_tensor(cute.make_ptr(KV_T, k_base, gmem, assumed_align=16),
                                       cute.make_layout((P, D, num_kv_heads, num_pages),
                                                        stride=(stride_kt, 1, stride_kh, stride_kp)))
-            v_view = cute.make_tensor(cute.make_ptr(fp8, v_base, gmem, assumed_align=16),
-                                      cute.make_layout((P, D, num_kv_heads, num_pages),
-                                                       stride=(stride_vt, 1, stride_vh, stride_vp)))
             tma_k, gK = cute.nvgpu.cpasync.make_tiled_tma_atom(op, k_view, one, (TILE, D))
-            tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
+            if cutlass.const_expr(WIDE):  # the values as the value product's MN-major stages: (dim, token) order
+                v_view = cute.make_tensor(cute.make_ptr(KV_T, v_base, gmem, assumed_align=16),
+                                          cute.make_layout((D, P, num_kv_heads, num_pages),
+                                                           stride=(1, stride_vt, stride_vh, stride_vp)))
+                tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, cute.slice_(vb_layout, (None, None, 0)),
+                                                                   (D, TILE))
+            else:
+                v_view = cute.make_tensor(cute.make_ptr(fp8, v_base, gmem, assumed_align=16),
+                                          cute.make_layout((P, D, num_kv_heads, num_pages),
+                                                           stride=(stride_vt, 1, stride_vh, stride_vp)))
+                tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
             tma_ks, gKs, tma_vs, gVs = tma_k, gK, tma_v, gV  # (no scales: never copied)
-            tx_bytes = 2 * cute.size_in_bytes(fp8, one)
-        qk_mma = score_mma(KREG, NC)
-        pv_mma = sm90_utils.make_trivial_tiled_mma(f16, f16, cute.nvgpu.OperandMajorMode.K if VREG
+            tx_bytes = 2 * cute.size_in_bytes(KV_T, one)
+        qk_mma = score_mma(KREG, NC, spec.kind)
+        pv_mma = sm90_utils.make_trivial_tiled_mma(PT, PT, cute.nvgpu.OperandMajorMode.K if VREG
                                                    else cute.nvgpu.OperandMajorMode.MN,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
                                                    tiler_mn=(64, NC),
