@@ -236,7 +236,7 @@ def _compare(step: DecodeStep, out: torch.Tensor, lse: torch.Tensor | None, wher
                                msg=lambda m: f"{where}: LSE {m}")
 
 
-def _cases(smoke: bool, cute: bool) -> Iterator[tuple[str, str, str, int, int]]:
+def _cases(smoke: bool, cute: bool, hopper: bool = False) -> Iterator[tuple[str, str, str, int, int]]:
     strategies = ["auto", *FORCED]
     if cute:
         strategies.append("cute")
@@ -244,8 +244,8 @@ def _cases(smoke: bool, cute: bool) -> Iterator[tuple[str, str, str, int, int]]:
     for (layout, form), strategy, length, batch in itertools.product(CACHES, strategies, lengths, batches):
         if strategy == "gate-dedup" and length == 1:
             continue  # one token per request: nothing to share
-        if strategy == "cute" and form != "packed":
-            continue  # cute's paths: packed caches (bf16 on its wgmma kernel only)
+        if strategy == "cute" and (form != "packed" or (layout == "bfloat16" and not hopper)):
+            continue  # cute's paths: packed caches (bf16 on its wgmma kernel only: compute capability 9.x)
         yield layout, form, strategy, length, batch
 
 
@@ -290,11 +290,12 @@ def path_matrix(smoke: bool, report: Callable[[str], None], only: int | None = N
 
     device = "cpu" if smoke else "cuda"
     cute = not smoke and package_installed("cutlass_dsl") and torch.cuda.get_device_capability() >= (9, 0)
+    hopper = cute and torch.cuda.get_device_capability()[0] == 9
     geometry = msa.Geometry(8, 2, 64, 16, 4) if smoke else msa.MINIMAX_M3
     context = 100 if smoke else 4096
     previous = msa.registry.reset_registry(BackendRegistry(plugins=[("gpu-check", _GatePlugin())]))
     failures, count = [], 0
-    cases = list(_cases(smoke, cute))[:only]
+    cases = list(_cases(smoke, cute, hopper))[:only]
     start = time.monotonic()
     try:
         for n, case in enumerate(cases):

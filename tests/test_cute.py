@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from cases import assert_close_to_naive, gpu_atol
@@ -49,6 +50,7 @@ from msa.backends.cute.config import (
     wgmma_heads,
     wgmma_programs,
     wgmma_serves,
+    wgmma_slots,
     wgmma_smem_bytes,
     wgmma_tokens_serve,
 )
@@ -146,6 +148,9 @@ def test_a_16_bit_step_takes_one_warpgroup_reading_its_ring_as_stored(batch: int
         assert (config.kernel, config.num_splits, config.stages, config.vreg, config.kreg, config.tconv,
                 config.lag, config.cluster) == ("wgmma", splits, stages, False, False, False, False, False)
         assert "from the ring as stored" in (CuteBackend().strategy(problem, _hopper()) or "")
+    # shared memory holds the query's terms: two bf16 ones of an f16 query take 2 stages to 2 CTAs an SM
+    f16_q = attrs.evolve(_wide(64), q_dtype=torch.float16)
+    assert wgmma_slots(f16_q, 132, 2, 1, False) == 2 * 132 and wgmma_slots(_wide(64), 132, 2, 1, False) == 3 * 132
 
 
 @pytest.mark.parametrize("option", [{"vreg": True}, {"kreg": True}, {"tconv": True}, {"lag": True},
@@ -667,7 +672,7 @@ def test_the_warp_rank_puts_distinct_keys_in_ascending_order() -> None:
 @needs_wgmma
 @pytest.mark.parametrize(("layout", "group", "tokens", "splits"),
                          [("fp8_e4m3", 8, 4, None), ("fp8_e4m3", 8, 2, 3), ("fp8_e4m3", 16, 2, None),
-                          ("nvfp4", 8, 4, 5), ("nvfp4", 16, 2, 1)])
+                          ("nvfp4", 8, 4, 5), ("nvfp4", 16, 2, 1), ("bfloat16", 16, 2, 1), ("float16", 8, 4, None)])
 def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: str, group: int, tokens: int,
                                                                        splits: int | None) -> None:
     """Programs of `tokens` rows of a request (their selections' union walked once, each token's
@@ -692,34 +697,62 @@ def test_wgmma_programs_of_several_rows_walk_their_pages_union_exactly(layout: s
 def test_16_bit_caches_take_every_query_dtype_exactly(params: dict[str, Any], seed: int, q_kind: str,
                                                       splits: int | None) -> None:
     """The wgmma kernel's 16-bit products take the query in terms of the cache's type
-    (`config.WIDE_Q_TERMS`): a bf16 cache with an f16 query (two bf16 terms), an f16 cache with a
-    bf16 query (one scaled f16 term) or an fp8 one, on hostile steps against the float64 loop."""
+    (`config.WIDE_Q_TERMS`): a bf16 cache with an f16 query (two bf16 terms: the query is drawn
+    in f32 and rounded to f16, so its low term is not zero), an f16 cache with a bf16 query (one
+    scaled f16 term) or an fp8 one, on hostile steps against the float64 loop. The scores are
+    exact, so the LSE is held to 2e-4 (a dropped low term moves it by ~1e-3)."""
     params = {**params, "q_fp8": False}
     hostile = make_hostile(params, seed)
-    q = hostile.kwargs["q"]
-    if q_kind == "fp8":  # (the poisoned rows' NaN stays NaN in e4m3)
-        q = q.float().clamp(-448, 448).to(torch.float8_e4m3fn)
-    else:
-        q = q.to(torch.bfloat16 if q.dtype == torch.float16 else torch.float16)
+    poisoned = torch.isnan(hostile.kwargs["q"].float())  # (the rows that see nothing keep their NaN)
+    dtype = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.float16, "float16": torch.bfloat16}
+    fresh = torch.randn(poisoned.shape, generator=torch.Generator().manual_seed(seed))
+    q = fresh.masked_fill(poisoned, float("nan")).to(dtype["fp8" if q_kind == "fp8" else params["layout"]])
     hostile = dataclasses.replace(hostile, kwargs={**hostile.kwargs, "q": q})
     note(f"{hostile} q={q.dtype} splits={splits}")
-    _run_wgmma_against_the_loop(hostile, CuteBackend(kernel="wgmma", num_splits=splits), True,
-                                f"cute wgmma [{hostile} q={q.dtype}]")
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in hostile.kwargs.items()}
+    problem, inputs = check_decode_inputs(**kw, return_lse=True)
+    out = torch.full(q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    backend = CuteBackend(kernel="wgmma", num_splits=splits)
+    assert backend.config_for(problem, torch.device("cuda")).kernel == "wgmma"
+    backend.run_step(problem, inputs, out, lse)
+    where = f"cute wgmma [{hostile} q={q.dtype}]"
+    assert_close_to_naive(hostile, out.cpu(), lse.cpu(), where=where, atol=gpu_atol(hostile.kwargs))
+    ref_lse = hostile.naive()[1]
+    seen = ~np.isneginf(ref_lse)
+    assert np.abs(lse.cpu().double().numpy()[seen] - ref_lse[seen]).max(initial=0.0) <= 2e-4, where
 
 
 @pytest.mark.gpu
 @needs_wgmma
-@pytest.mark.parametrize(("kv_heads", "layout"), [(4, "fp8_e4m3"), (1, "fp8_e4m3"), (1, "nvfp4")])
+@pytest.mark.parametrize(("layout", "stages", "wgs"), [("bfloat16", 2, 1), ("bfloat16", 3, 2), ("float16", 4, 1)])
+def test_16_bit_rings_wrap_many_times_exactly(layout: str, stages: int, wgs: int) -> None:
+    """One split walking M3-like rows whole (16 selected pages of 128 tokens: 32 tiles through a
+    ring of 2-4 stages, every stage released and refilled many times, their mbarriers' phases
+    past the second), one or two warpgroups, on a hostile step (rows ending inside a tile, NaN in
+    every unread byte) against the float64 loop with fresh data each run."""
+    params = {"layout": layout, "batch": 3, "query_len": 1, "num_kv_heads": 2, "group": 16, "head_dim": 128,
+              "page_size": 128, "topk": 16, "max_blocks": 20, "ragged": False, "token_major": False,
+              "tensor_scales": False, "table_pad": 1, "q_fp8": False}
+    hostile = make_hostile(params, random.randrange(2**31))
+    backend = CuteBackend(kernel="wgmma", num_splits=1, stages=stages, wgs=wgs)
+    config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma ring [{hostile}]")
+    assert (config.num_splits, config.stages, config.wgs) == (1, stages, wgs)
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize(("kv_heads", "layout"), [(4, "fp8_e4m3"), (1, "fp8_e4m3"), (1, "nvfp4"), (1, "bfloat16")])
 def test_the_default_cluster_shapes_merge_exactly(kv_heads: int, layout: str) -> None:
     """The shapes that merge their splits as one cluster by default (fp8, 16-head CTAs: M3 TP1
-    B = 16, two splits of two warpgroups; TP4 B = 16, eight splits of one), and NVFP4 TP4 B = 16
-    asked for a cluster, on hostile M3-like steps with NaN in every unread byte, against the
+    B = 16, two splits of two warpgroups; TP4 B = 16, eight splits of one), and NVFP4 and bf16 TP4
+    B = 16 asked for a cluster, on hostile M3-like steps with NaN in every unread byte, against the
     float64 loop with fresh data each run (the fuzzed test reaches these shapes only by chance)."""
     params = {"layout": layout, "batch": 16, "query_len": 1, "num_kv_heads": kv_heads, "group": 16,
               "head_dim": 128, "page_size": 128, "topk": 16, "max_blocks": 20, "ragged": False, "token_major": False,
               "tensor_scales": False, "table_pad": 1, "q_fp8": False}
     hostile = make_hostile(params, random.randrange(2**31))
-    backend = CuteBackend(kernel="wgmma", cluster=True if layout == "nvfp4" else None)
+    backend = CuteBackend(kernel="wgmma", cluster=True if layout in ("nvfp4", "bfloat16") else None)
     config = _run_wgmma_against_the_loop(hostile, backend, True, f"cute wgmma default cluster [{hostile}]")
     assert wgmma_cluster(config) == config.num_splits >= 2, config
 

@@ -323,18 +323,30 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
     return -(-end // 1024) * 1024
 
 
-def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8") -> int:
+def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp8", heads: int = 16,
+                      q_bytes: int = 2) -> int:
     """CTAs of the wgmma kernel whose shared memory fits one SM's 228 KiB, 1 KiB reserved a CTA
-    (`wgmma_smem_bytes` at 128-token pages, 16 heads, a bf16 query): fp8 5 at (2 stages, 1
-    warpgroup, vreg), 4 at (2, 1) and (3, 1, vreg), 3 at (3, 1) and (2, 2, vreg; registers hold
-    2), 2 at (2, 2), 1 at (3, 2)."""
-    return max(1, SM90_SMEM_PER_SM // (wgmma_smem_bytes(kind, stages, wgs, vreg) + SM90_SMEM_RESERVED))
+    (`wgmma_smem_bytes` at 128-token pages, `heads` heads, `q_bytes` a query element: by default
+    16 and 2, the measured rules' model): fp8 5 at (2 stages, 1 warpgroup, vreg), 4 at (2, 1) and
+    (3, 1, vreg), 3 at (3, 1) and (2, 2, vreg; registers hold 2), 2 at (2, 2), 1 at (3, 2); a
+    16-bit cache 2 at (3, 1) and 3 at (2, 1)."""
+    need = wgmma_smem_bytes(kind, stages, wgs, vreg, 128, heads, q_bytes)
+    return max(1, SM90_SMEM_PER_SM // (need + SM90_SMEM_RESERVED))
+
+
+def _wide_query(problem: DecodeProblem) -> tuple[int, int]:
+    """(query heads a CTA, bytes of a query element in shared memory) of a 16-bit cache's step:
+    its terms of the cache's type (`WIDE_Q_TERMS`)."""
+    kind = WGMMA_KINDS[problem.kv_layout]
+    return wgmma_heads(problem.geometry.group_size), 2 * WIDE_Q_TERMS[kind][Q_KINDS[problem.q_dtype]]
 
 
 def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool) -> int:
     """CTAs of `problem`'s wgmma kernel that the GPU's `sm_count` SMs hold at once (by shared memory,
-    `wgmma_ctas_per_sm`): one wave."""
-    return sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, WGMMA_KINDS.get(problem.kv_layout, "fp8"))
+    `wgmma_ctas_per_sm`; a 16-bit cache's with its own heads and query terms): one wave."""
+    kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
+    heads, q_bytes = _wide_query(problem) if problem.kv_layout in WGMMA_ONLY_LAYOUTS else (16, 2)
+    return sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, kind, heads, q_bytes)
 
 
 #: Steps of fewer (row, KV head, head chunk) programs than this `auto` leaves to the Triton kernel
@@ -504,7 +516,7 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     if tokens > 1:
         return _union_shape(problem, sm_count, tokens)
     if problem.kv_layout in WGMMA_ONLY_LAYOUTS:
-        stages = 3 if wgmma_programs(problem) <= sm_count * wgmma_ctas_per_sm(3, 1, False, "bf16") else 2
+        stages = 3 if wgmma_programs(problem) <= wgmma_slots(problem, sm_count, 3, 1, False) else 2
         return WgmmaShape(choose_wgmma_splits(problem, sm_count, stages), stages, 1, False, False)
     programs = max(wgmma_programs(problem), 1)
     nvfp4 = problem.kv_layout == "nvfp4"

@@ -113,7 +113,9 @@ _LAG_LIMIT = 15.0
 #: warpgroup walked first (`TRACE_TILES` words, `TRACE_WALKED`: page x tiles a page + tile of the page).
 TRACE_TILES = 4
 #: A traced tile's milestones: its copy complete, its keys in registers, its scores retired, the
-#: column maxima exchanged, its weights stored, its stage released.
+#: column maxima exchanged, its weights stored, its stage released (a 16-bit cache's stage goes
+#: back later, at the next tile's maxima, once its value product retired: "done" is then the
+#: tile's end).
 TRACE_TILE_STEPS = ("copied", "keys", "scores", "maxima", "weights", "done")
 TRACE_POINTS = ("start", "tiles listed", "prologue done",
                 *(f"tile {u} {what}" for u in range(TRACE_TILES) for what in TRACE_TILE_STEPS),
