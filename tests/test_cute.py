@@ -133,6 +133,9 @@ def test_16_bit_caches_are_the_wgmma_kernels_and_auto_leaves_them_to_triton(layo
                                            (CuteBackend(kernel="mma"), _wide(8, layout), _hopper(), "kernel='mma'")):
         reasons = chosen.problem_reasons(problem, platform, requested=True)
         assert any(f"a {layout} cache is read by the wgmma kernel only" in r and why in r for r in reasons), reasons
+        with pytest.raises(MSAInputError, match=f"kv_cache_dtype: .*{why}"):  # (a direct configuration call)
+            chosen.config_on(problem, platform)
+        assert why in (chosen.strategy(problem, platform) or "")
 
 
 @pytest.mark.parametrize(("batch", "stages", "splits"), [(1, 3, 8), (16, 3, 4), (64, 3, 1), (66, 3, 1), (67, 2, 1),

@@ -269,6 +269,10 @@ class CuteBackend(Backend[CutePlan]):
                               evict=wgmma_evict(problem, sm_count, stages, wgs, vreg, splits, tokens)
                               if self.evict is None else self.evict,
                               refill=refill)
+        if problem.kv_layout in WGMMA_ONLY_LAYOUTS:
+            why = wgmma_serves(problem, platform.capability) or "kernel='mma' was asked for"
+            raise MSAInputError("kv_cache_dtype", "fp8_e4m3 or nvfp4 for the mma kernel (the wgmma kernel reads "
+                                f"{problem.kv_layout} caches, but not this step: {why})", problem.kv_layout)
         for name, asked, default in (("evict", self.evict, WGMMA_EVICT_DEFAULT),
                                      ("refill", self.refill, WGMMA_REFILL_DEFAULT)):
             _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",
