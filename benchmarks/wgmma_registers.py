@@ -6,8 +6,9 @@ the rest):
         [--min-ctas 0,2] [--defaults] [--mix]
 
 Each `--spec` is `Sm90Spec` keyword arguments over an M3 TP1 one-split fp8 kernel (128-token pages,
-bf16 query and output, 16 heads, keys in registers); `--defaults` adds every kernel `CuteBackend()`
-launches by default for M3 on an H200 (`ptx_same.default_specs`: this tree's policy, as their
+bf16 query and output, 16 heads, keys in registers; a bf16 or f16 `kind` reads its keys from the
+ring instead); `--defaults` adds every kernel `CuteBackend()` launches by default for M3 on an
+H200 (`ptx_same.default_specs`: this tree's policy, as their
 `Sm90Spec` arguments). `--min-ctas N` (N > 0) adds the launch bound `.minnctapersm N` to the
 kernel's PTX first, as `CuteBackend(min_ctas=N)` does through the DSL (whose own compile of that
 needs a GPU driver). With the threads of a CTA, the registers (allocated 8 a thread at a time) say
@@ -32,9 +33,17 @@ import triton
 from cute_sass import _loops, _mix, _ops
 from ptx_same import default_specs, sm90a_ptx
 
+from msa.backends.cute.sm90 import WIDE_KINDS
+
 BASE = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3, kind="fp8",
             kreg=True)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _spec(given: dict[str, Any]) -> dict[str, Any]:
+    """`BASE` with `given` over it (a 16-bit cache's kernel reads its keys from the ring: no `kreg`)."""
+    wide = given.get("kind") in WIDE_KINDS
+    return {**BASE, **({"kreg": False} if wide else {}), **given}
 
 
 def main_loop(ops: list[tuple[int, str]]) -> collections.Counter[str]:
@@ -69,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
-    variants = [(text, {**BASE, **json.loads(text)}) for text in args.spec or ([] if args.defaults else ["{}"])]
+    variants = [(text, _spec(json.loads(text))) for text in args.spec or ([] if args.defaults else ["{}"])]
     if args.defaults:
         variants += [(json.dumps(spec, sort_keys=True), spec) for spec in default_specs()]
     width = max(len(text) for text, _ in variants)
