@@ -1031,6 +1031,28 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
 
 
 @needs_dsl
+@pytest.mark.parametrize(("layout", "tp", "batch"), [("bfloat16", 1, 1), ("bfloat16", 8, 64), ("float16", 1, 256)])
+def test_a_16_bit_plans_kernel_is_the_wgmma_ones_and_compiles(layout: str, tp: int, batch: int,
+                                                               tmp_path: Path) -> None:
+    """From a 16-bit step's configuration to the kernel it launches (`launch.spec_for`): the
+    wgmma kernel of the cache's kind, no register operands, its shape's stages and splits; it
+    compiles for sm_90a here, in the shared memory `wgmma_smem_bytes` says."""
+    from msa.backends.cute.sm90 import build_sm90
+
+    problem = _wide(batch, layout, msa.MINIMAX_M3_TP[tp])
+    config = CuteBackend().config_on(problem, _hopper())
+    spec = launch.spec_for(problem, config, problem.out_dtype, with_lse=True)
+    kind = {"bfloat16": "bf16", "float16": "f16"}[layout]
+    assert (spec.kind, spec.vreg, spec.kreg, spec.tconv, spec.stages, spec.final) == (
+        kind, False, False, False, config.stages, config.num_splits == 1)
+    host = build_sm90(spec)
+    _compile_sm90a(host, tmp_path)
+    q_bytes = 2 * WIDE_Q_TERMS[kind][spec.q_kind]
+    assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, spec.stages, spec.wgs, False, 128, spec.nc,
+                                                                  q_bytes) <= SM90_SMEM
+
+
+@needs_dsl
 def test_the_nvfp4_wgmma_kernel_needs_its_values_in_registers() -> None:
     from msa.backends.cute.sm90 import Sm90Spec, build_sm90
 
