@@ -33,7 +33,7 @@ import triton
 from cute_sass import _loops, _mix, _ops
 from ptx_same import default_specs, sm90a_ptx
 
-from msa.backends.cute.sm90 import WIDE_KINDS
+from msa.backends.cute.config import WIDE_KINDS
 
 BASE = dict(page_size=128, q_kind="bf16", out_kind="bf16", final=True, write_lse=False, nc=16, stages=3, kind="fp8",
             kreg=True)

@@ -32,12 +32,10 @@ from msa.backends.cute.config import (
     CTAS_PER_SM,
     DEFAULT_MIN_CTAS,
     HOST_ARG_KINDS,
-    Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
     WGMMA_SHARED_ROWS_WGS,
     WIDE_MIN_CTAS,
-    WIDE_Q_TERMS,
     CuteConfig,
     WgmmaShape,
     choose_min_ctas,
@@ -49,6 +47,7 @@ from msa.backends.cute.config import (
     wgmma_ctas_per_sm,
     wgmma_heads,
     wgmma_programs,
+    wgmma_q_bytes,
     wgmma_serves,
     wgmma_slots,
     wgmma_smem_bytes,
@@ -1025,7 +1024,7 @@ def test_the_wgmma_kernel_compiles_for_sm90a_and_packs_like_the_other(kind: str,
     merged = -(-nc * 128 // 4 // (cluster * 128)) if cluster else 0  # vectors a thread merges
     assert ptx.count("ld.shared::cluster.v2.f32") == ptx.count("ld.shared::cluster.v4.f32") == cluster * merged
     assert ("%clock64" in ptx) == ("%globaltimer" in ptx) == trace
-    q_bytes = 2 * WIDE_Q_TERMS[kind][q_kind] if kind in WIDE_Q_TERMS else 2 if kreg else Q_TERMS[q_kind]
+    q_bytes = wgmma_q_bytes(kind, q_kind, kreg)
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, stages, wgs, vreg, spec.page_size, nc,
                                                                   q_bytes, tconv, tokens) <= SM90_SMEM
 
@@ -1047,7 +1046,7 @@ def test_a_16_bit_plans_kernel_is_the_wgmma_ones_and_compiles(layout: str, tp: i
         kind, False, False, False, config.stages, config.num_splits == 1)
     host = build_sm90(spec)
     _compile_sm90a(host, tmp_path)
-    q_bytes = 2 * WIDE_Q_TERMS[kind][spec.q_kind]
+    q_bytes = wgmma_q_bytes(kind, spec.q_kind, False)
     assert host.built["storage"].__sizeof__() == wgmma_smem_bytes(kind, spec.stages, spec.wgs, False, 128, spec.nc,
                                                                   q_bytes) <= SM90_SMEM
 

@@ -40,7 +40,6 @@ from msa.backends.cute.config import (
     KERNELS,
     KINDS,
     Q_KINDS,
-    Q_TERMS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
     WGMMA_DEFAULT_LAYOUTS,
@@ -54,7 +53,6 @@ from msa.backends.cute.config import (
     WGMMA_REFILL,
     WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
-    WIDE_Q_TERMS,
     CuteConfig,
     choose_min_ctas,
     choose_splits,
@@ -68,6 +66,7 @@ from msa.backends.cute.config import (
     wgmma_evict,
     wgmma_heads,
     wgmma_programs,
+    wgmma_q_bytes,
     wgmma_serves,
     wgmma_smem_bytes,
     wgmma_tokens_serve,
@@ -101,6 +100,13 @@ class CutePlan:
     workspace: Any
     rows: RowMetadata
     kernels: dict[bool, Any]
+
+
+def _why_not_wgmma(problem: DecodeProblem, platform: Platform) -> str:
+    """Why a step that takes the mma kernel does not take the wgmma one (for a 16-bit cache,
+    which only the wgmma kernel reads)."""
+    mma = "kernel='mma' was asked for, which reads fp8 and nvfp4 caches only"
+    return wgmma_serves(problem, platform.capability) or mma
 
 
 def _check_option(name: str, value: object, allowed: str, ok: bool) -> None:
@@ -182,10 +188,9 @@ class CuteBackend(Backend[CutePlan]):
         wgmma_why = wgmma_serves(problem, platform.capability)
         if self.kernel == "wgmma" and wgmma_why is not None:
             reasons.append(f"kernel='wgmma' was asked for: {wgmma_why}")
-        if problem.kv_layout in WGMMA_ONLY_LAYOUTS and ((self.kernel is None and wgmma_why is not None)
-                                                        or self.kernel == "mma"):
-            why = wgmma_why or "kernel='mma' was asked for, which reads fp8 and nvfp4 caches only"
-            reasons.append(f"a {problem.kv_layout} cache is read by the wgmma kernel only: {why}")
+        if problem.kv_layout in WGMMA_ONLY_LAYOUTS and self.kernel_for(problem, platform) == "mma":
+            reasons.append(f"a {problem.kv_layout} cache is read by the wgmma kernel only: "
+                           f"{_why_not_wgmma(problem, platform)}")
         if g.page_size % 16:
             reasons.append(f"page size {g.page_size} is not a multiple of 16")
         if g.topk > 32:
@@ -270,9 +275,9 @@ class CuteBackend(Backend[CutePlan]):
                               if self.evict is None else self.evict,
                               refill=refill)
         if problem.kv_layout in WGMMA_ONLY_LAYOUTS:
-            why = wgmma_serves(problem, platform.capability) or "kernel='mma' was asked for"
             raise MSAInputError("kv_cache_dtype", "fp8_e4m3 or nvfp4 for the mma kernel (the wgmma kernel reads "
-                                f"{problem.kv_layout} caches, but not this step: {why})", problem.kv_layout)
+                                f"{problem.kv_layout} caches, but not this step: {_why_not_wgmma(problem, platform)})",
+                                problem.kv_layout)
         for name, asked, default in (("evict", self.evict, WGMMA_EVICT_DEFAULT),
                                      ("refill", self.refill, WGMMA_REFILL_DEFAULT)):
             _check_option(name, asked, f"{default!r} (or None) on the mma kernel (kernel='wgmma' takes the others)",
@@ -334,8 +339,7 @@ class CuteBackend(Backend[CutePlan]):
                       kreg or not tconv)
         _check_option("stages", stages, "at least 2 for the wgmma kernel (its ring keeps a tile in flight)",
                       stages >= 2)
-        q_kind = Q_KINDS[problem.q_dtype]
-        q_bytes = 2 * WIDE_Q_TERMS[kind][q_kind] if wide else 2 if kreg else Q_TERMS[q_kind]
+        q_bytes = wgmma_q_bytes(kind, Q_KINDS[problem.q_dtype], kreg)
         need = wgmma_smem_bytes(kind, stages, wgs, vreg, problem.geometry.page_size,
                                 wgmma_heads(problem.geometry.group_size) * tokens, q_bytes, tconv, tokens)
         _check_option("stages", stages, f"few enough for the wgmma kernel's shared memory ({stages} stages x {wgs} "

@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_STAGES", "SLOTS", "KINDS", "AUTO_MIN_PROGRAMS", "DEFAULT_QK_CHAINS",
     "DEFAULT_MIN_CTAS", "WIDE_MIN_CTAS", "HOST_ARG_KINDS", "VERIFIED_DSL_VERSIONS", "KERNELS", "WGMMA_KINDS",
     "WGMMA_DEFAULT_LAYOUTS", "WGMMA_ONLY_LAYOUTS", "WGMMA_FP8_KREG", "Q_KINDS", "Q_TERMS", "WIDE_Q_TERMS",
+    "WIDE_KINDS", "wgmma_q_bytes",
     "WGMMA_FUSED_MERGE", "WGMMA_LAG",
     "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "WGMMA_EVICT_FIRST_CTAS_PER_SM", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
     "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
@@ -68,12 +69,6 @@ _MIN_STEPS_PER_WARP = 4
 KERNELS = ("mma", "wgmma")
 #: The wgmma kernel's cache kind per layout.
 WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "float16": "f16"}
-#: The layouts only the wgmma kernel reads (16-bit caches: the products' operands as stored).
-WGMMA_ONLY_LAYOUTS = frozenset({"bfloat16", "float16"})
-#: Layouts whose steps take the wgmma kernel by default (where it serves; the mma kernel otherwise):
-#: fp8 and NVFP4, measured faster than the mma kernel (`choose_wgmma_shape`), and the 16-bit ones,
-#: which the mma kernel does not read.
-WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"}) | WGMMA_ONLY_LAYOUTS
 #: fp8 steps of at most 3 CTAs per SM take the wgmma kernel's exact f16 score product (keys
 #: decoded into registers) by default. H200, M3 fp8 at 64K (benchmarks/precision.py,
 #: bench_cute.py): the fp8 product of the query's fp8 terms adds ~1e-3 relative error to the
@@ -138,6 +133,14 @@ Q_TERMS = {"e4m3": 1, "bf16": 2, "f16": 3}
 #: significant bits in 8 + 3), a bf16 query one f16 term scaled by a power of two (its 8 bits fit;
 #: exact from 2^-21 of the head's largest element, as the f16 term of `kreg`).
 WIDE_Q_TERMS = {"bf16": {"bf16": 1, "f16": 2, "e4m3": 1}, "f16": {"f16": 1, "bf16": 1, "e4m3": 1}}
+#: The wgmma kernel's 16-bit cache kinds, and the layouts only it reads (the products' operands as
+#: stored; the mma kernel reads fp8 and NVFP4).
+WIDE_KINDS = tuple(WIDE_Q_TERMS)
+WGMMA_ONLY_LAYOUTS = frozenset(layout for layout, kind in WGMMA_KINDS.items() if kind in WIDE_KINDS)
+#: Layouts whose steps take the wgmma kernel by default (where it serves; the mma kernel otherwise):
+#: fp8 and NVFP4, measured faster than the mma kernel (`choose_wgmma_shape`), and the 16-bit ones,
+#: which the mma kernel does not read.
+WGMMA_DEFAULT_LAYOUTS = frozenset({"fp8_e4m3", "nvfp4"}) | WGMMA_ONLY_LAYOUTS
 #: Shared memory one CTA may take on compute capability 9.x.
 SM90_SMEM = 227 * 1024
 #: Shared memory of one SM of compute capability 9.x, and what each resident CTA of it reserves.
@@ -303,7 +306,7 @@ def wgmma_smem_bytes(kind: str, stages: int, wgs: int, vreg: bool, page_size: in
     softmax exchange; with `tokens` > 1 (`heads` the columns of all of them) the tile tables of
     their pages' union, each tile's tokens' visible counts and the hash table that merges them."""
     nvfp4 = kind == "nvfp4"
-    wide = kind in WIDE_Q_TERMS
+    wide = kind in WIDE_KINDS
     row = 64 if nvfp4 else 256 if wide else 128  # a token's bytes of a stage's keys (or values)
     n_st, n_tiles, n_c = wgs * stages, 32 * (page_size // 64) * tokens, heads * wgs
     slots = WGMMA_HASH_SLOTS * tokens
@@ -334,18 +337,22 @@ def wgmma_ctas_per_sm(stages: int, wgs: int, vreg: bool = False, kind: str = "fp
     return max(1, SM90_SMEM_PER_SM // (need + SM90_SMEM_RESERVED))
 
 
-def _wide_query(problem: DecodeProblem) -> tuple[int, int]:
-    """(query heads a CTA, bytes of a query element in shared memory) of a 16-bit cache's step:
-    its terms of the cache's type (`WIDE_Q_TERMS`)."""
-    kind = WGMMA_KINDS[problem.kv_layout]
-    return wgmma_heads(problem.geometry.group_size), 2 * WIDE_Q_TERMS[kind][Q_KINDS[problem.q_dtype]]
+def wgmma_q_bytes(kind: str, q_kind: str, kreg: bool) -> int:
+    """Bytes of a query element in the wgmma kernel's shared memory (`wgmma_smem_bytes`'s
+    `q_bytes`) for a cache `kind` and query `q_kind`: its terms of a 16-bit cache's type
+    (`WIDE_Q_TERMS`), one f16 term with `kreg`, else its fp8 terms (`Q_TERMS`)."""
+    if kind in WIDE_KINDS:
+        return 2 * WIDE_Q_TERMS[kind][q_kind]
+    return 2 if kreg else Q_TERMS[q_kind]
 
 
 def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vreg: bool) -> int:
     """CTAs of `problem`'s wgmma kernel that the GPU's `sm_count` SMs hold at once (by shared memory,
     `wgmma_ctas_per_sm`; a 16-bit cache's with its own heads and query terms): one wave."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
-    heads, q_bytes = _wide_query(problem) if problem.kv_layout in WGMMA_ONLY_LAYOUTS else (16, 2)
+    heads, q_bytes = 16, 2
+    if kind in WIDE_KINDS:
+        heads, q_bytes = wgmma_heads(problem.geometry.group_size), wgmma_q_bytes(kind, Q_KINDS[problem.q_dtype], False)
     return sm_count * wgmma_ctas_per_sm(stages, wgs, vreg, kind, heads, q_bytes)
 
 

@@ -88,6 +88,7 @@ from msa.backends.cute.config import (
     WGMMA_REFILL,
     WGMMA_REFILL_DEFAULT,
     WGMMA_TOKENS,
+    WIDE_KINDS,
     WIDE_Q_TERMS,
 )
 
@@ -97,9 +98,7 @@ __all__ = ["Sm90Spec", "build_sm90", "TILE", "Q_TERMS", "CACHE_KINDS", "score_mm
 #: Tokens per tile (the score product's M, a TMA box's rows).
 TILE = 64
 #: The caches the kernel reads.
-CACHE_KINDS = ("fp8", "nvfp4", "bf16", "f16")
-#: The 16-bit caches: keys and values are the products' operands as stored, read by WGMMA from the ring.
-WIDE_KINDS = ("bf16", "f16")
+CACHE_KINDS = ("fp8", "nvfp4", *WIDE_KINDS)
 _THREADS = 128
 #: Floats of a row each thread of that merge takes from every split (one vector load each).
 _CLUSTER_VEC = 4
@@ -303,13 +302,12 @@ def weights_layout(nc: int, wgs: int) -> Any:
     return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, nc, TILE), cutlass.Float16, wgs)
 
 
-def score_mma(kreg: bool, nc: int, kind: str = "fp8") -> Any:
+def score_mma(kreg: bool, nc: int, dtype: Any = None) -> Any:
     """The score product's tiled WGMMA (M = a tile's tokens, N = `nc` columns; call while
     tracing): f16 keys in registers and an f16 query (`kreg`), or the keys and query terms in
-    shared memory (fp8, or a 16-bit cache's `kind`: "bf16" / "f16"). Its accumulator fragment
-    is the order of a thread's scores and weights."""
-    wide = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-    dtype = cutlass.Float16 if kreg else wide.get(kind, cutlass.Float8E4M3FN)
+    shared memory, fp8 or (`dtype`) a 16-bit cache's type. Its accumulator fragment is the order
+    of a thread's scores and weights."""
+    dtype = dtype or (cutlass.Float16 if kreg else cutlass.Float8E4M3FN)
     source = warpgroup.OperandSource.RMEM if kreg else warpgroup.OperandSource.SMEM
     k_major = cute.nvgpu.OperandMajorMode.K
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, Float32, (1, 1, 1), tiler_mn=(TILE, nc),
@@ -1405,7 +1403,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 tma_v, gV = cute.nvgpu.cpasync.make_tiled_tma_atom(op, v_view, one, (TILE, D))
             tma_ks, gKs, tma_vs, gVs = tma_k, gK, tma_v, gV  # (no scales: never copied)
             tx_bytes = 2 * cute.size_in_bytes(KV_T, one)
-        qk_mma = score_mma(KREG, NC, spec.kind)
+        qk_mma = score_mma(KREG, NC, QT)
         pv_mma = sm90_utils.make_trivial_tiled_mma(PT, PT, cute.nvgpu.OperandMajorMode.K if VREG
                                                    else cute.nvgpu.OperandMajorMode.MN,
                                                    cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1),
