@@ -72,6 +72,14 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return e4m3.view(torch.float8_e4m3fn).float() * 64.0
 
 
+def _ieee_quotient(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """`x / divisor` rounded once, on every device. A python-float divisor would be a
+    multiplication by its reciprocal on CUDA (torch's division by a host scalar), one ulp away
+    from the IEEE quotient the Triton writer takes (`div_rn`): divided by a device tensor, both
+    writers round the same quotient."""
+    return x / torch.full_like(x, divisor)
+
+
 def quantize_blocks(
     x: torch.Tensor, global_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +99,7 @@ def quantize_blocks(
     g = global_scale.reshape(()).float()
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)  # [..., D/16, 16]
     amax = blocks.abs().nan_to_num(nan=0.0).amax(dim=-1)  # NaN stores 0 and sets no scale
-    # A python-float divisor would be a multiplication by its reciprocal on CUDA (torch's
-    # division by a host scalar), one ulp away from the IEEE quotient the Triton writer takes:
-    # divide by a device tensor, so both writers round the same quotient on every device.
-    scale = (amax / torch.full_like(amax, E2M1_MAX) / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (_ieee_quotient(amax, E2M1_MAX) / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = scale.float().unsqueeze(-1) * g  # [..., D/16, 1]
     ratio = torch.where(step > 0, blocks / step, torch.zeros_like(blocks))
     codes = e2m1_encode(ratio).flatten(-2)  # [..., D]
@@ -176,8 +181,7 @@ class NVFP4HeadSlotLayout(KVLayout):
         # the finite values written now set the global scale (one Inf must not make it Inf and
         # every code NaN); no host synchronisation
         amax = torch.where(keep & data.isfinite(), data.abs(), 0).amax().float()
-        quotient = amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)  # IEEE on every device (`quantize_blocks`)
-        return torch.where(amax > 0, quotient, torch.ones_like(amax)).reshape(1)
+        return torch.where(amax > 0, _ieee_quotient(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax)).reshape(1)
 
     def _store_kernel(
         self,
