@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["interpreting", "direct_launch_enabled", "kernel_parameters", "bind_arguments", "DirectKernel"]
+__all__ = [
+    "interpreting", "direct_launch_enabled", "kernel_parameters", "bind_arguments", "DirectKernel", "unit_stride",
+]
 
 
 def interpreting() -> bool:
@@ -27,6 +29,13 @@ def interpreting() -> bool:
 def direct_launch_enabled() -> bool:
     """Whether launches may skip Triton's binder (a GPU, and not `MSA_TRITON_DIRECT_LAUNCH=0`)."""
     return not interpreting() and os.environ.get("MSA_TRITON_DIRECT_LAUNCH", "1") != "0"
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t` `[n]` with its elements one apart: `t` itself, or a copy of a strided or expanded view.
+    Msa's Triton kernels read a 1-D argument (`seq_lens`, `slot_mapping`, `slot_ids`) at element
+    `i` as `ptr + i`, so every such tensor passes through here before a launch."""
+    return t if t.numel() <= 1 or t.stride(0) == 1 else t.contiguous()
 
 
 @functools.cache

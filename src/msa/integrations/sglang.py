@@ -38,7 +38,7 @@ import torch
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError
 from msa.integrations.sglang_kernels import BLOCK, sglang_tables_kernel
-from msa.launcher import DirectKernel, direct_launch_enabled, interpreting
+from msa.launcher import DirectKernel, direct_launch_enabled, interpreting, unit_stride
 from msa.planning import tensor_versions
 from msa.platform import current_stream_key
 from msa.validation import check_tensor
@@ -131,10 +131,10 @@ def _tables(
         if len(_KERNELS) >= 64:
             _KERNELS.clear()
         kernel = _KERNELS[signature] = DirectKernel(sglang_tables_kernel, (-(-max(batch * max_blocks, 1) // BLOCK),))
-    kernel(dict(req_to_token_ptr=req_to_token, slot_ids_ptr=slot_ids, seq_lens_ptr=seq_lens, table_ptr=table,
-                lens_ptr=lens, batch=batch, max_reqs=max_reqs, max_context=max_context, max_blocks=max_blocks,
-                stride_rr=req_to_token.stride(0), stride_rt=req_to_token.stride(1), BLOCK_SIZE=block_size,
-                BLOCK=BLOCK), direct_launch_enabled())
+    kernel(dict(req_to_token_ptr=req_to_token, slot_ids_ptr=unit_stride(slot_ids), seq_lens_ptr=unit_stride(seq_lens),
+                table_ptr=table, lens_ptr=lens, batch=batch, max_reqs=max_reqs, max_context=max_context,
+                max_blocks=max_blocks, stride_rr=req_to_token.stride(0), stride_rt=req_to_token.stride(1),
+                BLOCK_SIZE=block_size, BLOCK=BLOCK), direct_launch_enabled())
     return table, lens
 
 

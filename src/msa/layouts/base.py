@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from msa.errors import MSAInputError
+from msa.launcher import unit_stride
 from msa.platform import resolve_device, triton_available
 from msa.scales import Scale, check_scale
 
@@ -266,7 +267,7 @@ class KVLayout(abc.ABC):
             cache: a cache of this layout (a `(k_cache, v_cache)` pair for the split layouts).
             key: `[num_tokens, Hkv, D]` bf16/fp16.
             value: `[num_tokens, Hkv, D]` bf16/fp16.
-            slot_mapping: `[num_tokens]` int64 (or int32), `page * P + offset`. A negative slot
+            slot_mapping: `[num_tokens]` int64 (or int32), any stride, `page * P + offset`. A negative slot
                 (the `-1` padding of serving engines) skips its token; so does a slot past the
                 end of the cache (or raises, with `validate=True`).
             k_scale, v_scale: the dequantization scales (stored = x / scale). `None` means 1.0
@@ -421,7 +422,7 @@ def _check_write_inputs(
     if slot_mapping.device != device:
         raise MSAInputError("slot_mapping", f"a tensor on {device}", slot_mapping.device)
     capacity = shape.num_pages * shape.page_size
-    slots = slot_mapping.long()
+    slots = unit_stride(slot_mapping.long())  # (the Triton writer reads slot i at ptr + i)
     if validate:
         bad = (slots >= capacity) | (slots < -1)
         if bool(bad.any()):

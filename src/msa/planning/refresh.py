@@ -115,13 +115,14 @@ class RowMetadata:
         if kernel is None:
             kernel = seq_lens.is_cuda and triton_available()
         if kernel:
-            from msa.launcher import DirectKernel, direct_launch_enabled
+            from msa.launcher import DirectKernel, direct_launch_enabled, unit_stride
             from msa.planning.kernels import BLOCK, refresh_rows_kernel
 
             if self._kernel is None:  # the rows, hence the grid and the integer arguments, never change
                 self._kernel = DirectKernel(refresh_rows_kernel, (-(-self.num_rows // BLOCK),))
-            self._kernel(dict(seq_lens_ptr=seq_lens, row_request_ptr=self.row_request, row_shift_ptr=self.row_shift,
-                              kv_lens_ptr=self.kv_lens, q_pos_ptr=self.q_pos, num_rows=self.num_rows, BLOCK=BLOCK),
+            self._kernel(dict(seq_lens_ptr=unit_stride(seq_lens), row_request_ptr=self.row_request,
+                              row_shift_ptr=self.row_shift, kv_lens_ptr=self.kv_lens, q_pos_ptr=self.q_pos,
+                              num_rows=self.num_rows, BLOCK=BLOCK),
                          direct_launch_enabled())
             return
         torch.index_select(seq_lens, 0, self.row_request, out=self.kv_lens)
