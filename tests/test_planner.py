@@ -217,6 +217,8 @@ def test_run_checks_against_the_plan() -> None:
         planner.run(plan, other.q, other.kv_cache, other.topk_indices, out=torch.empty(other.q.shape, dtype=torch.bfloat16))
     with pytest.raises(MSAInputError, match=r"^plan: expected a DecodePlan"):
         planner.run("plan", kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)  # type: ignore[arg-type]
+    with pytest.raises(MSAInputError, match=r"^out: expected a \[B\*L, Hq, D\] tensor to write into \(run allocates nothing\), got None"):
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=None)  # type: ignore[arg-type]
     with pytest.raises(MSAInputError, match=r"^seq_lens: expected an int32 tensor \[B\]"):
         planner.plan(kw["block_table"], kw["seq_lens"].long(), decode_query_len=2)
     with pytest.raises(MSAInputError, match=r"^decode_query_len: expected an int >= 1, got 0"):

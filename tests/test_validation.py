@@ -99,7 +99,14 @@ def test_errors_are_msa_and_value_errors() -> None:
         (dict(out=torch.zeros(HQ, D).bfloat16().expand(B * L, HQ, D)), r"^out: expected a tensor whose elements do not overlap in memory"),
         (dict(out=torch.zeros(B * L * D + HQ).bfloat16().as_strided((B * L, HQ, D), (D, 1, 1))), r"^out: expected a tensor whose elements do not overlap"),
         (dict(lse=torch.zeros(HQ).expand(B * L, HQ)), r"^lse: expected a tensor whose elements do not overlap in memory"),
-        (dict(kv_cache=torch.zeros(0, HKV, P, 2 * D).bfloat16()), r"^kv_cache: expected at least one page, got shape \(0, 2, 16, 128\)"),
+        (dict(kv_cache=torch.zeros(0, HKV, P, 2 * D).bfloat16()), r"^kv_cache: expected at least one page and one KV head, got shape \(0, 2, 16, 128\)"),
+        # degenerate shapes are refused by name before any arithmetic on them (was ZeroDivisionError)
+        (dict(kv_cache=torch.zeros(PAGES, 0, P, 2 * D).bfloat16()), r"^kv_cache: expected at least one page and one KV head, got shape \(10, 0, 16, 128\)"),
+        (dict(kv_cache=(torch.zeros(PAGES, 0, P, D).bfloat16(), torch.zeros(PAGES, 0, P, D).bfloat16())), r"^kv_cache: expected at least one page and one KV head, got shape \(10, 0, 16, 64\)"),
+        (dict(q=torch.zeros(B * L, HQ, 0).bfloat16(), kv_cache=torch.zeros(PAGES, HKV, P, 0).bfloat16()), r"^q: expected at least one head and a head dim >= 1 \(\[B\*L, Hq >= 1, D >= 1\]\), got shape \(4, 8, 0\)"),
+        (dict(q=torch.zeros(B * L, 0, D).bfloat16()), r"^q: expected at least one head and a head dim >= 1"),
+        (dict(sm_scale=10**400), r"^sm_scale: expected a finite scale > 0, got an int of 1329 bits"),
+        (dict(k_scale=-(10**400)), r"^k_scale: expected a finite scale > 0, got an int of 1329 bits"),
     ],
 )
 def test_cheap_checks(changes: dict[str, Any], match: str) -> None:
@@ -197,6 +204,17 @@ def test_deep_checks_seq_lens() -> None:
         r"^seq_lens: expected at most max_blocks \* page_size = 64 tokens .*got seq_lens\[1\] = 65",
         seq_lens=torch.tensor([3, 65], dtype=torch.int32),
     )
+
+
+def test_deep_checks_take_a_ragged_step_of_no_request() -> None:
+    """B = 0 with padding rows: every row attends nothing, with or without the deep checks (they
+    indexed the empty block table: IndexError)."""
+    kw = good(q=torch.randn(2, HQ, D).bfloat16(), topk_indices=torch.full((HKV, 2, K), -1, dtype=torch.int32),
+              block_table=torch.zeros(0, MB, dtype=torch.int32), seq_lens=torch.zeros(0, dtype=torch.int32),
+              query_start_loc=torch.zeros(1, dtype=torch.int32), decode_query_len=1, return_lse=True)
+    for validate in (False, True):
+        out, lse = msa.sparse_decode(**kw, validate=validate)
+        assert not out.any() and bool((lse == float("-inf")).all())
 
 
 def test_msa_validate_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,9 +27,14 @@ def check_scale(argument: str, value: object, device: torch.device) -> Scale:
     if isinstance(value, bool):
         raise MSAInputError(argument, "a float or a one-element fp32 tensor", repr(value))
     if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
+        try:
+            x = float(value)
+        except OverflowError:  # an int past float's range
+            bits = value.bit_length() if isinstance(value, int) else "?"
+            raise MSAInputError(argument, "a finite scale > 0", f"an int of {bits} bits") from None
+        if not math.isfinite(x) or x <= 0:
             raise MSAInputError(argument, "a finite scale > 0", repr(value))
-        return float(value)
+        return x
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype != torch.float32:
             raise MSAInputError(

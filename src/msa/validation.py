@@ -278,6 +278,9 @@ def _check_q(q: torch.Tensor) -> None:
         raise MSAInputError("q", "dtype bfloat16, float16 or float8_e4m3fn", q.dtype)
     if q.stride(-1) != 1:
         raise MSAInputError("q", "unit stride in the last dimension", f"strides {q.stride()}")
+    if q.shape[1] < 1 or q.shape[2] < 1:
+        raise MSAInputError("q", "at least one head and a head dim >= 1 ([B*L, Hq >= 1, D >= 1])",
+                            f"shape {tuple(q.shape)}")
 
 
 def _check_output(
@@ -333,9 +336,9 @@ def check_decode_inputs(
     cache: KVCache = kv_cache  # type: ignore[assignment]  # inspect checked it
     if cache_device(cache) != device:
         raise MSAInputError("kv_cache", f"a tensor on {device} (the device of q)", cache_device(cache))
-    if shape.num_pages < 1:
+    if shape.num_pages < 1 or shape.num_kv_heads < 1:
         first = cache[0] if isinstance(cache, tuple) else cache
-        raise MSAInputError("kv_cache", "at least one page", f"shape {tuple(first.shape)}")
+        raise MSAInputError("kv_cache", "at least one page and one KV head", f"shape {tuple(first.shape)}")
     check_flag("return_lse", return_lse)
     rows, num_q_heads, head_dim = q_t.shape
     if head_dim != shape.head_dim:  # either may be the wrong one: name both, with the cache's last dimension
@@ -537,7 +540,9 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
     visible = (position + 1).clamp(min=0)
     visible_blocks = (visible + p - 1) // p  # [R]
     selected = (idx >= 0) & (idx < visible_blocks.view(1, -1, 1))
-    pages = inputs.block_table.long()[request.view(1, -1, 1), idx.clamp(min=0)]
+    table = inputs.block_table.long()
+    # (no request, B = 0: every row is padding, none selects a visible block)
+    pages = torch.zeros_like(idx) if table.shape[0] == 0 else table[request.view(1, -1, 1), idx.clamp(min=0)]
     bad = _first_row(selected & ((pages < 0) | (pages >= problem.num_pages)))
     if bad is not None:
         h, r, t = bad

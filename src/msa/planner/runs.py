@@ -68,6 +68,8 @@ def checked_run_inputs(
 ) -> DecodeInputs:
     """The checked inputs of a run of `plan` (with its tables as of the last `plan()`), its call
     signature attached for the backend's launch memo (None with `validate`: nothing remembered)."""
+    if out is None:  # (`sparse_decode` allocates one; a run, capturable, never does)
+        raise MSAInputError("out", "a [B*L, Hq, D] tensor to write into (run allocates nothing)", "None")
     tables = plan.tables
     signature = None if validate else call_signature(
         (q, kv_cache, topk_indices, tables.block_table, tables.seq_lens, out, lse, tables.query_start_loc),
