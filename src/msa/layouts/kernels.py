@@ -78,7 +78,9 @@ def nvfp4_write_kernel(
         scale = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g_scale), 448.0).to(tl.float8e4nv)
         step = scale.to(tl.float32) * g_scale
         positive = step[:, None] > 0
-        ratio = tl.where(positive, tl.math.div_rn(blocks, tl.where(positive, step[:, None], 1.0)), 0.0)
+        # (a block scale of 0: -1/8 for a negative value, stored as -0, as quantize_blocks does)
+        ratio = tl.where(positive, tl.math.div_rn(blocks, tl.where(positive, step[:, None], 1.0)),
+                         tl.where(blocks < 0, -0.125, 0.0))
         codes = tl.reshape(_e2m1_encode(ratio), (HEAD_DIM // 2, 2))
         lo, hi = tl.split(codes)
         tl.store(base + off * (HEAD_DIM // 2) + tl.arange(0, HEAD_DIM // 2), (lo | (hi << 4)).to(tl.uint8))

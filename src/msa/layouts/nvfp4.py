@@ -101,7 +101,9 @@ def quantize_blocks(
     amax = blocks.abs().nan_to_num(nan=0.0).amax(dim=-1)  # NaN stores 0 and sets no scale
     scale = (_ieee_quotient(amax, E2M1_MAX) / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = scale.float().unsqueeze(-1) * g  # [..., D/16, 1]
-    ratio = torch.where(step > 0, blocks / step, torch.zeros_like(blocks))
+    # a block whose scale rounded to 0 stores zeros, each negative one as -0 (E2M1 code 8): a ratio
+    # of -1/8 rounds to it (NaN is no negative: code 0)
+    ratio = torch.where(step > 0, blocks / step, torch.where(blocks < 0, -0.125, 0.0))
     codes = e2m1_encode(ratio).flatten(-2)  # [..., D]
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scale.view(torch.uint8)
