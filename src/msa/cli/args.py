@@ -31,6 +31,7 @@ __all__ = [
     "error_line",
     "positive_int",
     "positive_ints",
+    "seed",
     "floats",
     "names",
     "heads",
@@ -78,6 +79,17 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A random seed, an integer in [0, 2^63) (what torch's generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^63), got {text!r}")
     return value
 
 

@@ -31,8 +31,10 @@ from msa.cli.defaults import (
 
 if TYPE_CHECKING:
     from msa.hooks import BackendRecord
+    from msa.layouts import KVLayout
     from msa.platform import Platform
     from msa.policy import SelectionPolicy, Verdict
+    from msa.problem import Geometry
     from msa.registry import BackendRegistry
 
 __all__ = ["add_parsers", "run_backends", "run_explain"]
@@ -227,6 +229,24 @@ def run_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The flags of `msa explain` that set what a layout's `allocate` checks.
+_GEOMETRY_FLAGS = {"head_dim": "--head-dim", "page_size": "--page-size", "num_kv_heads": "--heads"}
+
+
+def _check_layout_holds(layout: KVLayout, geometry: Geometry, kv_form: str) -> None:
+    """A step the layout cannot hold (NVFP4's head dims and pages, its one tensor of head slots)
+    is refused as the API refuses its cache, naming the flag."""
+    from msa.errors import MSAInputError
+
+    if kv_form != "packed" and not layout.separable:
+        raise MSAInputError("--kv-form", f"packed for the {layout.name!r} layout (one tensor of head slots)", kv_form)
+    try:
+        layout.allocate(1, geometry.num_kv_heads, geometry.page_size, geometry.head_dim, device="meta")
+    except MSAInputError as exc:
+        flag = _GEOMETRY_FLAGS.get(exc.argument, exc.argument)
+        raise MSAInputError(flag, exc.expected, exc.given) from None
+
+
 def run_explain(args: argparse.Namespace) -> int:
     import torch
 
@@ -240,6 +260,7 @@ def run_explain(args: argparse.Namespace) -> int:
     q_dtype: torch.dtype = getattr(torch, Q_DTYPES[args.q_dtype])
     out_dtype = output_dtype(q_dtype)
     layout = get_layout(args.kv_dtype).resolve(out_dtype)
+    _check_layout_holds(layout, geometry, args.kv_form)
     platform = _platform(args)
     problem = DecodeProblem(
         geometry=geometry,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from msa.cli.args import Subparsers, device, positive_int
+from msa.cli.args import Subparsers, device, positive_int, seed
 
 if TYPE_CHECKING:  # imported by `run`: building the parser imports no torch
     import torch
@@ -50,7 +50,7 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--backend", default="auto", help="backend name, or auto")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (median reported)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    parser.add_argument("--seed", type=seed, default=None, help="random seed (default: fresh)")
     parser.add_argument(
         "--no-oracle", action="store_true", help="skip the dense float64 check of the reference"
     )
@@ -106,19 +106,42 @@ def _cross_check(
     return f"triton ({where}B={CROSS_CHECK_BATCH}, {CROSS_CHECK_CONTEXT} tokens)", err
 
 
-def _check_backend(
+def _memory_bytes(device: torch.device) -> int:
+    """The memory of `device`: the GPU's, or this machine's RAM for the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_step(
     args: argparse.Namespace, geometry: Geometry, layouts: tuple[str, ...], device: torch.device
 ) -> None:
-    """Select the backend of each layout's step from the step's description, before anything is
-    built or printed: an unknown `--backend`, or one that cannot run a step here, ends the demo
-    with one error line (`MSAInputError` / `MSAUnsupportedError`) and nothing else."""
+    """Check the step each layout's demo will build, and select its backend, from the arguments
+    alone, before anything is built or printed: more query tokens than context, a cache that
+    would not fit the device, an unknown `--backend` or one that cannot run a step here each end
+    the demo with one error line (`MSAInputError` / `MSAUnsupportedError`) and nothing else."""
     import torch
 
     from msa.api import select_backend
+    from msa.errors import MSAInputError
     from msa.layouts import get_layout
     from msa.problem import DecodeProblem
 
+    if args.query_len > args.context:
+        raise MSAInputError("--query-len", f"at most --context = {args.context} tokens (a request's L new tokens "
+                            "are part of its context)", args.query_len)
     max_blocks = max(1, -(-args.context // geometry.page_size))  # as msa.workload.make_decode_step
+    num_pages = args.batch * max_blocks + 1
+    room = _memory_bytes(device)
+    for name in layouts:
+        tokens = num_pages * geometry.page_size * geometry.num_kv_heads
+        need = tokens * get_layout(name).bytes_per_token(geometry.head_dim)
+        if need > room // 2:
+            raise MSAInputError("--batch / --context", f"a step whose {name} cache fits in half of this "
+                                f"{device.type} device's {room / 2**30:.0f} GiB", f"{need / 2**30:.3g} GiB for "
+                                f"B={args.batch} and {args.context} tokens: lower --batch or --context")
     for name in layouts:
         problem = DecodeProblem(
             geometry=geometry,
@@ -128,7 +151,7 @@ def _check_backend(
             q_dtype=torch.bfloat16,
             out_dtype=torch.bfloat16,
             device_type=device.type,
-            num_pages=args.batch * max_blocks + 1,
+            num_pages=num_pages,
             max_blocks=max_blocks,
             return_lse=True,  # the demo compares LSEs too
         )
@@ -154,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
     geometry = MINIMAX_M3.tensor_parallel(args.tp)
     layouts = DEMO_LAYOUTS if args.layout == "all" else (args.layout,)
-    _check_backend(args, geometry, layouts, device)  # every argument checked before the first line
+    _check_step(args, geometry, layouts, device)  # every argument checked before the first line
     print(
         f"msa demo: MiniMax-M3 TP{args.tp} ({geometry.describe()}), B={args.batch}, "
         f"L={args.query_len}, context {args.context} tokens, on {device}"
