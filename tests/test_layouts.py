@@ -186,6 +186,22 @@ def test_writer_skips_out_of_range_slots_or_raises_when_validating(gen: torch.Ge
         BFLOAT16.write(cache, key, key, torch.tensor([0, 32, 99]), validate=True)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), -1.0])
+def test_writer_validates_scale_tensors_as_sparse_decode_does(name: str, bad: float) -> None:
+    """With validate=True a scale tensor must hold a finite value > 0 (the deep check
+    `msa.sparse_decode(validate=True)` makes); without it the tensor is never read on the host."""
+    layout = get_layout(name)
+    cache = layout.allocate(2, 1, 16, 64)
+    key = torch.ones((2, 1, 64), dtype=torch.bfloat16)
+    scale = torch.tensor([bad])
+    with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0, got a tensor holding"):
+        layout.write(cache, key, key, torch.arange(2), k_scale=scale, v_scale=torch.ones(1), validate=True)
+    with pytest.raises(MSAInputError, match=r"^v_scale: expected a finite scale > 0"):
+        layout.write(cache, key, key, torch.arange(2), k_scale=torch.ones(1), v_scale=scale, validate=True)
+    layout.write(cache, key, key, torch.arange(2), k_scale=scale, v_scale=scale, kernel=False)
+
+
 def test_writer_input_errors() -> None:
     cache = BFLOAT16.allocate(2, 2, 16, 64)
     good = torch.zeros((4, 2, 64), dtype=torch.bfloat16)

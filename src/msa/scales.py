@@ -8,7 +8,7 @@ import torch
 
 from msa.errors import MSAInputError
 
-__all__ = ["Scale", "check_scale", "scale_tensor", "apply_scale"]
+__all__ = ["Scale", "check_scale", "check_scale_value", "scale_tensor", "apply_scale"]
 
 #: A scale: a python float, or a one-element fp32 tensor on the device of the data it scales.
 Scale = float | torch.Tensor
@@ -50,6 +50,19 @@ def check_scale(argument: str, value: object, device: torch.device) -> Scale:
             )
         return value
     raise MSAInputError(argument, "a float or a one-element fp32 tensor", type(value).__name__)
+
+
+def check_scale_value(argument: str, value: Scale) -> None:
+    """The deep check of a checked scale: a tensor's value, read on the host, finite and > 0
+    (a python float was checked by `check_scale`). Synchronises; never inside graph capture.
+
+    Raises:
+        MSAInputError: a tensor holding NaN, +-Inf, 0 or a negative value.
+    """
+    if isinstance(value, torch.Tensor):
+        x = float(value)
+        if not math.isfinite(x) or x <= 0:
+            raise MSAInputError(argument, "a finite scale > 0", f"a tensor holding {x}")
 
 
 def scale_tensor(value: Scale, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,6 @@ report the first offending row.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Hashable
 from typing import Any
@@ -20,7 +19,7 @@ from msa.errors import MSAInputError
 from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
 from msa.layouts.base import KVOperands
 from msa.problem import DecodeProblem, Geometry, cache_form
-from msa.scales import Scale, check_scale
+from msa.scales import Scale, check_scale, check_scale_value
 from msa.semantics import row_positions
 
 __all__ = [
@@ -478,11 +477,7 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
     """
     p, length = problem.geometry.page_size, problem.query_len
     for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
-        value = getattr(inputs, name)
-        if isinstance(value, torch.Tensor):
-            x = float(value)
-            if not math.isfinite(x) or x <= 0:
-                raise MSAInputError(name, "a finite scale > 0", f"a tensor holding {x}")
+        check_scale_value(name, getattr(inputs, name))
     lens = inputs.seq_lens.long()
     if inputs.query_start_loc is not None:
         starts = inputs.query_start_loc.tolist()

@@ -12,7 +12,7 @@ import torch
 from msa.errors import MSAInputError
 from msa.launcher import unit_stride
 from msa.platform import resolve_device, triton_available
-from msa.scales import Scale, check_scale
+from msa.scales import Scale, check_scale, check_scale_value
 
 __all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "cache_device", "cache_nbytes"]
 
@@ -273,7 +273,8 @@ class KVLayout(abc.ABC):
             k_scale, v_scale: the dequantization scales (stored = x / scale). `None` means 1.0
                 for the split layouts; for NVFP4 it means "compute the global scale from the
                 tokens written now" (then pass the returned scales to later writes).
-            validate: raise on out-of-range slots instead of skipping them (reads the device).
+            validate: raise on out-of-range slots instead of skipping them, and on a scale
+                tensor that does not hold a finite value > 0 (reads the device).
             kernel: use the Triton writer (True), the torch writer (False), or decide (None:
                 Triton on CUDA when triton imports). Both store the same bytes; the Triton one
                 never synchronises with the host.
@@ -296,6 +297,10 @@ class KVLayout(abc.ABC):
         keep = ((slots >= 0) & (slots < shape.num_pages * shape.page_size)).view(-1, 1, 1)
         k = self._resolve_scale("k_scale", k_scale, device, key, keep)
         v = self._resolve_scale("v_scale", v_scale, device, value, keep)
+        if validate:
+            for argument, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if given is not None:
+                    check_scale_value(argument, given)
         if kernel is None:
             kernel = device.type == "cuda" and triton_available()
         if kernel:
