@@ -217,6 +217,16 @@ def test_deep_checks_take_a_ragged_step_of_no_request() -> None:
         assert not out.any() and bool((lse == float("-inf")).all())
 
 
+def test_deep_checks_take_a_query_len_past_int64() -> None:
+    """A ragged step's L is a cap on each request's rows: one past int64's range is refused by
+    the backends' limits with or without the deep checks (they overflowed: OverflowError)."""
+    kw = good(q=torch.randn(2, HQ, D).bfloat16(), topk_indices=torch.full((HKV, 2, K), -1, dtype=torch.int32),
+              query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), decode_query_len=2**64)
+    for validate in (False, True):
+        with pytest.raises(MSAUnsupportedError, match=r"needs 1 <= L <= 2147483647"):
+            msa.sparse_decode(**kw, validate=validate)
+
+
 def test_msa_validate_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = good(topk_indices=_ids(2, 0, [2, 1, -1, 2]))
     msa.sparse_decode(**bad)

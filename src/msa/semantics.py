@@ -25,7 +25,7 @@ def request_starts(query_start_loc: torch.Tensor, num_rows: int, decode_query_le
     """
     bounded = query_start_loc.long().clamp(0, num_rows)
     rising = torch.cummax(bounded, dim=0).values
-    counts = (rising[1:] - rising[:-1]).clamp(max=decode_query_len)
+    counts = (rising[1:] - rising[:-1]).clamp(max=min(decode_query_len, num_rows))  # (an L past int64's range)
     return torch.cat((rising[:1], rising[:1] + torch.cumsum(counts, dim=0)))
 
 
