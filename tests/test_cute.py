@@ -181,9 +181,13 @@ def test_a_requested_wgmma_kernel_refuses_the_steps_it_cannot_serve(requested: b
 
 @pytest.mark.parametrize(("option", "value", "expected"), [
     ("num_splits", 0, "an int >= 1"), ("stages", 0, "an int >= 1"), ("stages", 2.5, "an int >= 1"),
-    ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "1, 2 or 4"), ("wgs", 3, "1 or 2"), ("wgs", 0, "1 or 2"),
-    ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"), ("kreg", 1, "a bool"),
-    ("tconv", "no", "a bool"), ("cluster", 1, "a bool"), ("tokens", 3, "one of (1, 2, 4)"), ("tokens", 0, "one of (1, 2, 4)"),
+    ("min_ctas", -1, "an int >= 0"), ("qk_chains", 3, "the int 1, 2 or 4"), ("wgs", 3, "the int 1 or 2"),
+    ("wgs", 0, "the int 1 or 2"), ("lag", 1, "a bool"), ("vreg", "yes", "a bool"), ("fused", 0, "a bool"),
+    ("kreg", 1, "a bool"), ("tconv", "no", "a bool"), ("cluster", 1, "a bool"),
+    ("tokens", 3, "an int, one of (1, 2, 4)"), ("tokens", 0, "an int, one of (1, 2, 4)"),
+    # floats and bools equal to a valid int (2.0 in (1, 2); True == 1) reached the DSL as they were
+    ("wgs", 2.0, "the int 1 or 2"), ("tokens", 4.0, "an int, one of (1, 2, 4)"), ("qk_chains", 2.0, "the int 1, 2 or 4"),
+    ("stages", True, "an int >= 1"), ("num_splits", True, "an int >= 1"), ("min_ctas", True, "an int >= 0"),
     ("evict", "sometimes", "one of 'normal', 'first', 'last'"), ("evict", 1, "one of 'normal', 'first', 'last'"),
     ("refill", "early", "one of 'top', 'late'"), ("refill", True, "one of 'top', 'late'")])
 def test_backend_options_outside_what_the_kernels_take_are_refused(option: str, value: object,

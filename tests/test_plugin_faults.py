@@ -83,6 +83,18 @@ PLUGINS = {
         def msa_backends():
             return [msa.registry.BackendRecord(name="nonereasons", factory=Judge, priority=50)]
     '''),
+    "badstrategy": HEADER + textwrap.dedent('''
+        class Raises(plugged("raisestrategy")):
+            def strategy(self, problem, platform):
+                raise RuntimeError("strategy table corrupt")
+        class Dict(plugged("dictstrategy")):
+            def strategy(self, problem, platform):
+                return {"not": "a str"}
+        @msa.registry.hookimpl
+        def msa_backends():
+            return [msa.registry.BackendRecord(name="raisestrategy", factory=Raises, priority=500),
+                    msa.registry.BackendRecord(name="dictstrategy", factory=Dict, priority=499)]
+    '''),
     "exitimport": "import sys\nsys.exit()\n",
     "exitfactory": HEADER + textwrap.dedent('''
         import sys
@@ -369,3 +381,17 @@ def test_msa_explain_lists_a_broken_plugin(site: Path, capsys: pytest.CaptureFix
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and len(err.splitlines()) == 1
     assert "msa explain: error: backend 'exitimport' was requested but its plugin (exitimport 1.0" in err
+
+
+def test_msa_explain_reports_a_plugins_faulty_strategy(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`Backend.strategy` is plugin code too: a fault, or a value that is not a str, is said on its
+    line (exit 0), never a traceback (it was one) or the value printed as a strategy."""
+    install(site, ("badstrategy",))
+    capsys.readouterr()
+    assert main(["explain", "--cpu", "--head-dim", "64", "--heads", "8/2", "--topk", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "runs on 'raisestrategy'" in out
+    assert "raisestrategy: strategy() failed: RuntimeError: strategy table corrupt" in out
+    assert main(["explain", "--cpu", "--head-dim", "64", "--heads", "8/2", "--topk", "4", "--backend", "dictstrategy"]) == 0
+    out, err = capsys.readouterr()
+    assert "dictstrategy: strategy() returned" in out and "not a str" in out and "runs it with" not in out

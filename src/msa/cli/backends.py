@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from msa.layouts import KVLayout
     from msa.platform import Platform
     from msa.policy import SelectionPolicy, Verdict
-    from msa.problem import Geometry
+    from msa.problem import DecodeProblem, Geometry
     from msa.registry import BackendRegistry
 
 __all__ = ["add_parsers", "run_backends", "run_explain"]
@@ -247,6 +247,25 @@ def _check_layout_holds(layout: KVLayout, geometry: Geometry, kv_form: str) -> N
         raise MSAInputError(flag, exc.expected, exc.given) from None
 
 
+def _print_strategy(name: str, policy: SelectionPolicy, problem: DecodeProblem, platform: Platform) -> None:
+    """How the chosen backend runs the step (`Backend.strategy`, plugin code: a fault or a value
+    that is not a str is reported on its line, not raised; an msa error stays one)."""
+    from msa.errors import MSAError
+    from msa.plugins.faults import PluginFault, given, guarded
+
+    try:
+        how = guarded(policy.registry.get(name).strategy, problem, platform)
+    except PluginFault as fault:
+        if isinstance(fault.cause, MSAError):
+            raise fault.cause from None
+        print(f"{name}: strategy() failed: {fault.error}")
+        return
+    if not isinstance(how, str):
+        print(f"{name}: strategy() returned {given(how)}, not a str")
+    elif how:
+        print(f"{name} runs it with {how}")
+
+
 def run_explain(args: argparse.Namespace) -> int:
     import torch
 
@@ -288,9 +307,7 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"platform: {platform.describe()}")
     print(selection.explain())
     if selection.chosen is not None:
-        how = policy.registry.get(selection.chosen).strategy(problem, platform)
-        if how:
-            print(f"{selection.chosen} runs it with {how}")
+        _print_strategy(selection.chosen, policy, problem, platform)
     for line in _failure_lines(policy.registry):
         print(line)
     return 0 if selection.chosen else 1

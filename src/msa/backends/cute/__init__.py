@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import torch
@@ -115,6 +115,11 @@ def _check_option(name: str, value: object, allowed: str, ok: bool) -> None:
         raise MSAInputError(name, allowed, repr(value))
 
 
+def _int(value: object) -> TypeGuard[int]:
+    """An int option's value: an int, not a bool (`True == 1`) nor a float (`2.0 in (1, 2)`)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CuteBackend(Backend[CutePlan]):
     """NVFP4 decode with operands decoded in registers (CuTe DSL, sm_90+), and fp8, NVFP4, bf16
     and f16 decode with a TMA ring and WGMMA on Hopper (sm_90a).
@@ -156,11 +161,11 @@ class CuteBackend(Backend[CutePlan]):
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
-            _check_option(name, value, "an int >= 1", isinstance(value, int) and value >= 1)
-        _check_option("min_ctas", min_ctas, "an int >= 0", isinstance(min_ctas, int) and min_ctas >= 0)
-        _check_option("qk_chains", qk_chains, "1, 2 or 4", qk_chains in (1, 2, 4))
-        _check_option("wgs", wgs, "1 or 2", wgs in (1, 2))
-        _check_option("tokens", tokens, f"one of {WGMMA_TOKENS}", tokens in WGMMA_TOKENS)
+            _check_option(name, value, "an int >= 1", _int(value) and value >= 1)
+        _check_option("min_ctas", min_ctas, "an int >= 0", _int(min_ctas) and min_ctas >= 0)
+        _check_option("qk_chains", qk_chains, "the int 1, 2 or 4", _int(qk_chains) and qk_chains in (1, 2, 4))
+        _check_option("wgs", wgs, "the int 1 or 2", _int(wgs) and wgs in (1, 2))
+        _check_option("tokens", tokens, f"an int, one of {WGMMA_TOKENS}", _int(tokens) and tokens in WGMMA_TOKENS)
         _check_option("evict", evict, f"one of {', '.join(map(repr, WGMMA_EVICT))}", evict in WGMMA_EVICT)
         _check_option("refill", refill, f"one of {', '.join(map(repr, WGMMA_REFILL))}", refill in WGMMA_REFILL)
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv),
