@@ -780,10 +780,32 @@ def coverage_cases(check: Checker, seed: int) -> None:
                            "block_table", None)
 
 
+def lse_on_some_ranks_cases(check: Checker, seed: int) -> None:
+    """Whether a rank asks for the LSE is its own choice (not agreed on): rank 1 asks, rank 0 does
+    not, and rank 1's LSE is the whole step's on every merge method, one-shot and planner (the
+    all-heads all_to_all sent a head chunk's LSE only from ranks that asked: rank 1 read rank 0's
+    unwritten buffer)."""
+    sh = sharded_step(seed)
+    wants = dist.get_rank() == 1
+    scale = partial_scale(sh.local)
+    for method in dcp.FULL_METHODS:
+        got = dcp.sparse_decode(**sh.local, method=method, return_lse=wants, backend="reference")
+        out, lse = got if isinstance(got, tuple) else (got, None)
+        check.close(f"{method}, LSE asked on rank 1 only", out, lse, sh.ref_out, sh.ref_lse, scale)
+        planner = _planner(sh, method)
+        plan = planner.plan(sh.local["block_table"], sh.local["seq_lens"], decode_query_len=1)
+        out = torch.full_like(sh.ref_out, float("nan"))
+        lse = torch.full_like(sh.ref_lse, float("nan")) if wants else None
+        planner.run(plan, sh.local["q"], sh.local["kv_cache"], sh.local["topk_indices"], out=out, lse=lse,
+                    k_scale=sh.local["k_scale"], v_scale=sh.local["v_scale"])
+        check.close(f"planner {method}, LSE asked on rank 1 only", out, lse, sh.ref_out, sh.ref_lse, scale)
+
+
 AGREEMENT_CASES: dict[str, Callable[[Checker, int], None]] = {
     "local errors": local_error_cases,
     "zero rows": zero_row_cases,
     "coverage": coverage_cases,
+    "lse on some ranks": lse_on_some_ranks_cases,
 }
 
 

@@ -278,6 +278,12 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(seed: int, tmp_path: Path)
     _agreement("local errors", seed, tmp_path)
 
 
+def test_a_rank_may_ask_for_the_lse_alone(seed: int, tmp_path: Path) -> None:
+    """Rank 1 asks for the LSE, rank 0 does not: rank 1's is the whole step's on every merge method,
+    one-shot and planner."""
+    _agreement("lse on some ranks", seed, tmp_path)
+
+
 def test_steps_of_no_rows_merge_on_every_method(seed: int, tmp_path: Path) -> None:
     """B = 0 and a ragged step of 0 rows through every merge method and the planner (with and
     without validate), and merge_partials of T = 0 in bf16 / fp16 / fp32."""

@@ -205,7 +205,9 @@ class Exchange:
             if self.scatter_heads:
                 combine_into(self._recv_out, self._recv_lse, out, lse)
                 return
-            combine_into(self._recv_out, self._recv_lse, self._gsend_out, self._gsend_lse if lse is not None else None)
+            # the chunk's LSE is sent whether or not this rank wants the LSE: a rank that does reads
+            # every rank's (whether a rank asks for it is not agreed on)
+            combine_into(self._recv_out, self._recv_lse, self._gsend_out, self._gsend_lse)
             all_gather_into(self._grecv, self._gsend, group)
             out.view(t, w, c, d).copy_(self._grecv_out.transpose(0, 1))
             if lse is not None:
