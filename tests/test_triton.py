@@ -16,6 +16,7 @@ import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
 from msa.backends.triton.kernels import _nvfp4_scale_bytes
+from msa.errors import MSAInputError
 from msa.layouts.nvfp4 import scale_byte_index
 from msa.validation import check_decode_inputs
 
@@ -326,3 +327,23 @@ def test_dedup_programs_take_the_measured_tiles_and_stages() -> None:
         assert config.dedup and (config.block_n, config.num_stages) == (block_n, 3), layout
         per_token = choose_config(g, 128, 132, layout=msa.get_layout(layout), batch_size=128, query_len=1)
         assert not per_token.dedup and per_token.block_n == 128
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(num_split=4), r"^num_split: expected one of the Triton backend's options: dedup, num_splits, .*got an unknown option"),
+    (dict(num_splits=0), r"^num_splits: expected an int >= 1 or None, got 0"),
+    (dict(num_splits=True), r"^num_splits: expected an int >= 1 or None, got True"),
+    (dict(block_n=7), r"^block_n: expected 16, 32, 64 or 128 \(tokens a tile\) or None, got 7"),
+    (dict(num_warps=3), r"^num_warps: expected 1, 2, 4 or 8 or None, got 3"),
+    (dict(num_stages=0), r"^num_stages: expected an int >= 1 or None, got 0"),
+    (dict(compute="nope"), r"^compute: expected 'fp16' or 'bf16' or None, got 'nope'"),
+    (dict(dedup="yes"), r"^dedup: expected a bool or None, got 'yes'"),
+    (dict(swap_ab=None), r"^swap_ab: expected a bool, got None"),
+    (dict(merge_fence=1), r"^merge_fence: expected a bool, got 1"),
+])
+def test_backend_options_outside_what_the_kernels_take_are_refused(options: dict[str, Any], match: str) -> None:
+    """A typo or a value no kernel takes is refused by name at construction (was: accepted, then a
+    TypeError from choose_config or an interpreter error at the first step, or silently ignored)."""
+    with pytest.raises(MSAInputError, match=match):
+        TritonBackend(**options)
+    TritonBackend(dedup=None, num_splits=None, block_n=64, num_warps=8, num_stages=3, compute="bf16", swap_ab=True)

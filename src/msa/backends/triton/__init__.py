@@ -12,7 +12,7 @@ import torch
 
 from msa.backends.base import Backend
 from msa.backends.capabilities import Capabilities
-from msa.backends.triton.config import LaunchConfig, choose_config, dedup_supported, dedup_wanted
+from msa.backends.triton.config import LaunchConfig, check_overrides, choose_config, dedup_supported, dedup_wanted
 from msa.backends.triton.launch import LaunchMemo, Workspace, step_launches
 from msa.launcher import direct_launch_enabled
 from msa.planning import RowMetadata, StepTables
@@ -53,6 +53,10 @@ class TritonBackend(Backend[TritonPlan]):
     )
 
     def __init__(self, **config_overrides: Any) -> None:
+        """`config_overrides`: `choose_config`'s keyword arguments (`config.OVERRIDES`: dedup,
+        num_splits, block_n, ...), each None or a value the kernels take (`MSAInputError`, naming
+        the option, for anything else)."""
+        check_overrides(config_overrides)
         self.config_overrides = config_overrides
 
     def machine_reasons(self, platform: Platform, *, requested: bool = False) -> list[str]:

@@ -4,13 +4,15 @@ CUDA graph captured for a shape stays valid whatever the lengths and indices hol
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import attrs
 
+from msa.errors import MSAInputError
 from msa.layouts import BFLOAT16, KVLayout
 from msa.problem import Geometry
 
-__all__ = ["LaunchConfig", "choose_config", "dedup_wanted", "uses_dedup"]
+__all__ = ["LaunchConfig", "choose_config", "check_overrides", "dedup_wanted", "uses_dedup"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
 WAVES = 4
@@ -178,6 +180,50 @@ def choose_config(
                                                           if in_kernel_merge is None else in_kernel_merge),
         merge_fence=merge_fence,
     )
+
+
+def _flag(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _int_in(allowed: tuple[int, ...]) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value in allowed
+
+
+def _int_from(low: int) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+#: `choose_config`'s overrides a `TritonBackend(**overrides)` takes: (what the kernels take, the
+#: test, whether None — the heuristic's choice — is one).
+OVERRIDES: dict[str, tuple[str, Callable[[object], bool], bool]] = {
+    "dedup": ("a bool", _flag, True),
+    "num_splits": ("an int >= 1", _int_from(1), True),
+    "block_n": ("16, 32, 64 or 128 (tokens a tile)", _int_in((16, 32, 64, 128)), True),
+    "num_warps": ("1, 2, 4 or 8", _int_in((1, 2, 4, 8)), True),
+    "num_stages": ("an int >= 1", _int_from(1), True),
+    "compute": ("'fp16' or 'bf16'", lambda value: value in ("fp16", "bf16"), True),
+    "in_kernel_merge": ("a bool", _flag, True),
+    "decode_asm": ("a bool", _flag, False),
+    "codes_rows": ("a bool", _flag, False),
+    "swap_ab": ("a bool", _flag, False),
+    "merge_fence": ("a bool", _flag, False),
+}
+
+
+def check_overrides(overrides: dict[str, object]) -> None:
+    """Refuse an override `choose_config` does not take, or a value no kernel takes.
+
+    Raises:
+        MSAInputError: naming the override.
+    """
+    for name, value in overrides.items():
+        if name not in OVERRIDES:
+            raise MSAInputError(name, "one of the Triton backend's options: " + ", ".join(OVERRIDES),
+                                "an unknown option")
+        expected, ok, none_ok = OVERRIDES[name]
+        if not (ok(value) or (value is None and none_ok)):
+            raise MSAInputError(name, expected + (" or None" if none_ok else ""), repr(value))
 
 
 def dedup_wanted() -> bool | None:
