@@ -395,3 +395,25 @@ def test_msa_explain_reports_a_plugins_faulty_strategy(site: Path, capsys: pytes
     assert main(["explain", "--cpu", "--head-dim", "64", "--heads", "8/2", "--topk", "4", "--backend", "dictstrategy"]) == 0
     out, err = capsys.readouterr()
     assert "dictstrategy: strategy() returned" in out and "not a str" in out and "runs it with" not in out
+
+
+def test_the_documented_exact_cute_backend_loads_as_a_plugin(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/integrations.md's recipe for `CuteBackend(kreg=True)` under its own name, as written
+    there, loads through a real entry point (its first form, the factory returning a plain
+    `CuteBackend`, was refused: "its factory returned a backend named 'cute'")."""
+    pytest.importorskip("cutlass")
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    recipe = re.search(r"registers a `CuteBackend` under its own name.*?```python\n(.*?)```", text, re.S)
+    assert recipe is not None, "the recipe moved: update this test"
+    source = "import msa.registry\nfrom msa.backends.cute import CuteBackend\n" + textwrap.dedent(recipe[1])
+    install_plugins(site, ("cuteexact",), {"cuteexact": source})
+    registry = get_registry()
+    assert not registry.broken, registry.broken
+    backend = registry.get("cute_exact")
+    assert type(backend).__name__ == "ExactCute" and backend.kreg is True
+    capsys.readouterr()
+    assert main(["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "cutlass_dsl,triton",
+                 "--batch", "128", "--backend", "cute_exact"]) == 0
+    out, _ = capsys.readouterr()
+    assert "runs on 'cute_exact'" in out, out
+    sys.modules.pop("cuteexact", None)
