@@ -95,6 +95,18 @@ PLUGINS = {
             return [msa.registry.BackendRecord(name="raisestrategy", factory=Raises, priority=500),
                     msa.registry.BackendRecord(name="dictstrategy", factory=Dict, priority=499)]
     '''),
+    "planrun": HEADER + textwrap.dedent('''
+        class PlanRaises(plugged("planraises")):
+            def plan(self, problem, tables):
+                raise RuntimeError("plan exploded")
+        class RunRaises(plugged("runraises")):
+            def run(self, plan, inputs, out, lse):
+                raise RuntimeError("run exploded")
+        @msa.registry.hookimpl
+        def msa_backends():
+            return [msa.registry.BackendRecord(name="planraises", factory=PlanRaises, priority=500),
+                    msa.registry.BackendRecord(name="runraises", factory=RunRaises, priority=499)]
+    '''),
     "exitimport": "import sys\nsys.exit()\n",
     "exitfactory": HEADER + textwrap.dedent('''
         import sys
@@ -417,3 +429,17 @@ def test_the_documented_exact_cute_backend_loads_as_a_plugin(site: Path, capsys:
     out, _ = capsys.readouterr()
     assert "runs on 'cute_exact'" in out, out
     sys.modules.pop("cuteexact", None)
+
+
+def test_a_fault_in_a_chosen_plugins_plan_or_run_reaches_the_caller(site: Path, step: DecodeStep) -> None:
+    """README: a fault in the chosen backend's own plan or run is the step's error, raised as is;
+    the backend is not marked broken, and other backends still run the step by name."""
+    install(site, ("planrun",))
+    ref = msa.sparse_decode(**step.kwargs(), backend="reference")
+    for name, message in (("auto", "plan exploded"), ("planraises", "plan exploded"), ("runraises", "run exploded")):
+        with pytest.raises(RuntimeError, match=message):
+            msa.sparse_decode(**step.kwargs(), backend=name)
+        assert torch.equal(msa.sparse_decode(**step.kwargs(), backend="reference"), ref)
+    assert not get_registry().broken
+    with pytest.raises(RuntimeError, match="plan exploded"):
+        msa.sparse_decode(**step.kwargs())
