@@ -243,3 +243,11 @@ def test_explain_says_how_triton_runs_a_step_and_why_not_dedup(capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "DCP over 2 ranks" in out
     assert "triton runs it with the per-token kernel (not dedup: a rank of 2 holds a share of each selection)" in out
+
+
+def test_explain_takes_a_strided_view_of_an_nvfp4_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    """NVFP4 keeps K and V in one tensor: `--kv-form separate` is refused, but a strided view of
+    that tensor (form "strided", which the API runs) is explained."""
+    assert main(["explain", "--cpu", "--kv-dtype", "nvfp4", "--kv-form", "strided"]) == 0
+    out = capsys.readouterr().out
+    assert "K/V strided" in out and "runs on 'reference'" in out

@@ -32,13 +32,14 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["demo", "--device", "bogus"], "demo", ("argument --device", "auto, cpu, cuda", "'bogus'")),
     (["demo", "--backend", "nope"], "demo", ("backend: expected 'auto' or one of", "'nope'")),
     # numbers past what the demo can build: one line before anything is built or printed
-    (["demo", "--seed", "9" * 23], "demo", ("argument --seed", "[0, 2^63)", "'" + "9" * 23 + "'")),
-    (["demo", "--seed", "-1"], "demo", ("argument --seed", "[0, 2^63)", "'-1'")),
+    (["demo", "--seed", "9" * 23], "demo", ("argument --seed", "[-2^63, 2^64)", "'" + "9" * 23 + "'")),
+    (["demo", "--seed", str(-(2**63) - 1)], "demo", ("argument --seed", "[-2^63, 2^64)", str(-(2**63) - 1))),
+    (["demo", "--seed", "x"], "demo", ("argument --seed", "[-2^63, 2^64)", "'x'")),
     (["demo", "--batch", "99999999999999", "--layout", "bfloat16"], "demo", ("--batch / --context", "GiB", "lower")),
     (["demo", "--context", "9" * 17, "--batch", "1"], "demo", ("--batch / --context", "GiB", "lower")),
     (["demo", "--query-len", "200", "--context", "128"], "demo", ("--query-len", "at most --context = 128", "200")),
     # steps the layout cannot hold, refused as the API refuses their caches
-    (["explain", "--kv-dtype", "nvfp4", "--kv-form", "separate"], "explain", ("--kv-form", "packed", "separate")),
+    (["explain", "--kv-dtype", "nvfp4", "--kv-form", "separate"], "explain", ("--kv-form", "packed or strided", "separate")),
     (["explain", "--kv-dtype", "nvfp4", "--head-dim", "48"], "explain", ("--head-dim", "multiple of 32", "48")),
     (["explain", "--kv-dtype", "nvfp4", "--page-size", "6"], "explain", ("--page-size", "multiple of 4", "6")),
     (["layouts", "--head-dim", "-32"], "layouts", ("argument --head-dim", "positive integer", "'-32'")),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["MSAError", "MSAInputError", "MSAKeyError", "MSAUnsupportedError", "MSAPluginError"]
+from typing import TypeGuard
+
+__all__ = ["MSAError", "MSAInputError", "MSAKeyError", "MSAUnsupportedError", "MSAPluginError", "is_int"]
 
 
 class MSAError(Exception):
@@ -54,3 +56,9 @@ class MSAUnsupportedError(MSAError, NotImplementedError):
 
 class MSAPluginError(MSAError, RuntimeError):
     """A backend plugin failed to load or declared something invalid."""
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether an int argument was given one: an int and not a bool (`True == 1`, and
+    `2.0 in (1, 2)`, would pass a comparison)."""
+    return isinstance(value, int) and not isinstance(value, bool)

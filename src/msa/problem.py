@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from msa.errors import MSAInputError, MSAKeyError
+from msa.errors import MSAInputError, MSAKeyError, is_int
 from msa.layouts import KVCache, KVLayout, get_layout
 
 __all__ = ["Geometry", "DecodeProblem", "CACHE_FORMS", "MINIMAX_M3", "MINIMAX_M3_TP", "cache_form"]
@@ -30,7 +30,7 @@ def cache_form(cache: KVCache) -> str:
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise MSAInputError(attribute.name, "a positive int", repr(value))
 
 

@@ -83,13 +83,13 @@ def positive_int(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    """A random seed, an integer in [0, 2^63) (what torch's generators take)."""
+    """A random seed, an integer in [-2^63, 2^64) (what torch's `manual_seed` takes)."""
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^63), got {text!r}")
+        value = 2**64
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2^63, 2^64), got {text!r}")
     return value
 
 

@@ -234,12 +234,14 @@ _GEOMETRY_FLAGS = {"head_dim": "--head-dim", "page_size": "--page-size", "num_kv
 
 
 def _check_layout_holds(layout: KVLayout, geometry: Geometry, kv_form: str) -> None:
-    """A step the layout cannot hold (NVFP4's head dims and pages, its one tensor of head slots)
-    is refused as the API refuses its cache, naming the flag."""
+    """A step the layout cannot hold (NVFP4's head dims and pages, separate K and V caches of its
+    one tensor of head slots; a strided view of that tensor is one) is refused as the API refuses
+    its cache, naming the flag."""
     from msa.errors import MSAInputError
 
-    if kv_form != "packed" and not layout.separable:
-        raise MSAInputError("--kv-form", f"packed for the {layout.name!r} layout (one tensor of head slots)", kv_form)
+    if kv_form == "separate" and not layout.separable:
+        raise MSAInputError("--kv-form", f"packed or strided for the {layout.name!r} layout (one tensor of head slots)",
+                            kv_form)
     try:
         layout.allocate(1, geometry.num_kv_heads, geometry.page_size, geometry.head_dim, device="meta")
     except MSAInputError as exc:

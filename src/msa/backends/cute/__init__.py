@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-from typing import Any, TypeGuard
+from typing import Any
 
 import attrs
 import torch
@@ -72,7 +72,7 @@ from msa.backends.cute.config import (
     wgmma_tokens_serve,
 )
 from msa.backends.triton.config import dedup_wanted, uses_dedup
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, is_int
 from msa.planning import RowMetadata, StepTables
 from msa.platform import Platform, detect
 from msa.problem import DecodeProblem
@@ -113,11 +113,6 @@ def _check_option(name: str, value: object, allowed: str, ok: bool) -> None:
     """Refuse a backend option outside what the kernels take (None is always allowed)."""
     if value is not None and not ok:
         raise MSAInputError(name, allowed, repr(value))
-
-
-def _int(value: object) -> TypeGuard[int]:
-    """An int option's value: an int, not a bool (`True == 1`) nor a float (`2.0 in (1, 2)`)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class CuteBackend(Backend[CutePlan]):
@@ -161,11 +156,11 @@ class CuteBackend(Backend[CutePlan]):
         if kernel is not None and kernel not in KERNELS:
             raise MSAInputError("kernel", f"one of {', '.join(map(repr, KERNELS))}", repr(kernel))
         for name, value in (("num_splits", num_splits), ("stages", stages)):
-            _check_option(name, value, "an int >= 1", _int(value) and value >= 1)
-        _check_option("min_ctas", min_ctas, "an int >= 0", _int(min_ctas) and min_ctas >= 0)
-        _check_option("qk_chains", qk_chains, "the int 1, 2 or 4", _int(qk_chains) and qk_chains in (1, 2, 4))
-        _check_option("wgs", wgs, "the int 1 or 2", _int(wgs) and wgs in (1, 2))
-        _check_option("tokens", tokens, f"an int, one of {WGMMA_TOKENS}", _int(tokens) and tokens in WGMMA_TOKENS)
+            _check_option(name, value, "an int >= 1", is_int(value) and value >= 1)
+        _check_option("min_ctas", min_ctas, "an int >= 0", is_int(min_ctas) and min_ctas >= 0)
+        _check_option("qk_chains", qk_chains, "the int 1, 2 or 4", is_int(qk_chains) and qk_chains in (1, 2, 4))
+        _check_option("wgs", wgs, "the int 1 or 2", is_int(wgs) and wgs in (1, 2))
+        _check_option("tokens", tokens, f"an int, one of {WGMMA_TOKENS}", is_int(tokens) and tokens in WGMMA_TOKENS)
         _check_option("evict", evict, f"one of {', '.join(map(repr, WGMMA_EVICT))}", evict in WGMMA_EVICT)
         _check_option("refill", refill, f"one of {', '.join(map(repr, WGMMA_REFILL))}", refill in WGMMA_REFILL)
         for name, flag in (("fused", fused), ("lag", lag), ("vreg", vreg), ("kreg", kreg), ("tconv", tconv),

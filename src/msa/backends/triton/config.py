@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import attrs
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, is_int
 from msa.layouts import BFLOAT16, KVLayout
 from msa.problem import Geometry
 
-__all__ = ["LaunchConfig", "choose_config", "check_overrides", "dedup_wanted", "uses_dedup"]
+__all__ = ["LaunchConfig", "choose_config", "check_overrides", "COMPUTE", "OVERRIDES", "dedup_wanted", "uses_dedup"]
 
 #: Programs per SM the split heuristic aims for when a batch is too small to fill the GPU.
 WAVES = 4
@@ -186,23 +186,22 @@ def _flag(value: object) -> bool:
     return isinstance(value, bool)
 
 
-def _int_in(allowed: tuple[int, ...]) -> Callable[[object], bool]:
-    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value in allowed
+def _power_of_two(low: int, high: int) -> Callable[[object], bool]:
+    return lambda value: is_int(value) and low <= value <= high and value & (value - 1) == 0
 
 
-def _int_from(low: int) -> Callable[[object], bool]:
-    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= low
-
+#: The dtypes a quantized cache's tensor-core dots may compute in (`LaunchConfig.compute`).
+COMPUTE = ("fp16", "bf16")
 
 #: `choose_config`'s overrides a `TritonBackend(**overrides)` takes: (what the kernels take, the
 #: test, whether None — the heuristic's choice — is one).
 OVERRIDES: dict[str, tuple[str, Callable[[object], bool], bool]] = {
     "dedup": ("a bool", _flag, True),
-    "num_splits": ("an int >= 1", _int_from(1), True),
-    "block_n": ("16, 32, 64 or 128 (tokens a tile)", _int_in((16, 32, 64, 128)), True),
-    "num_warps": ("1, 2, 4 or 8", _int_in((1, 2, 4, 8)), True),
-    "num_stages": ("an int >= 1", _int_from(1), True),
-    "compute": ("'fp16' or 'bf16'", lambda value: value in ("fp16", "bf16"), True),
+    "num_splits": ("an int >= 1", lambda value: is_int(value) and value >= 1, True),
+    "block_n": ("a power of two >= 16 (tokens a tile)", _power_of_two(16, 1 << 30), True),
+    "num_warps": ("a power of two from 1 to 32", _power_of_two(1, 32), True),
+    "num_stages": ("an int >= 1", lambda value: is_int(value) and value >= 1, True),
+    "compute": (" or ".join(map(repr, COMPUTE)), lambda value: value in COMPUTE, True),
     "in_kernel_merge": ("a bool", _flag, True),
     "decode_asm": ("a bool", _flag, False),
     "codes_rows": ("a bool", _flag, False),
@@ -212,7 +211,7 @@ OVERRIDES: dict[str, tuple[str, Callable[[object], bool], bool]] = {
 
 
 def check_overrides(overrides: dict[str, object]) -> None:
-    """Refuse an override `choose_config` does not take, or a value no kernel takes.
+    """Refuse an override `choose_config` does not take, or a value outside what the kernels take.
 
     Raises:
         MSAInputError: naming the override.

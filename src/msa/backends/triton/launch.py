@@ -18,7 +18,7 @@ import attrs
 import torch
 import triton.language as tl
 
-from msa.backends.triton.config import LaunchConfig
+from msa.backends.triton.config import COMPUTE, LaunchConfig
 from msa.backends.triton.kernels import (
     LOG2E,
     merge_kernel,
@@ -42,7 +42,7 @@ _TENSOR_ARGS = ("q_ptr", "k_ptr", "v_ptr", "topk_ptr", "table_ptr", "out_ptr", "
                 "sm_scale_ptr", "q_scale_ptr", "k_scale_ptr", "v_scale_ptr")
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_COMPUTE = {"fp16": tl.float16, "bf16": tl.bfloat16}
+_COMPUTE = dict(zip(COMPUTE, (tl.float16, tl.bfloat16), strict=True))
 
 
 class Workspace:
