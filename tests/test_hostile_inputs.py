@@ -63,6 +63,10 @@ def test_request_starts_makes_any_offsets_well_formed() -> None:
         counts = [b - a for a, b in zip(clean, clean[1:], strict=False)]
         assert 0 <= clean[0] <= clean[-1] <= 10 and all(0 <= c <= 4 for c in counts), (starts, clean)
     assert request_starts(torch.tensor(GOOD_STARTS), 10, 4).tolist() == GOOD_STARTS, "valid offsets unchanged"
+    # docs/semantics.md §3.2: starts rebuilt from the first offset by the capped counts (request 1
+    # after a capped request 0 starts at 3, not at its offset 7)
+    assert request_starts(torch.tensor([0, 7, 8]), 8, 3).tolist() == [0, 3, 4]
+    assert request_starts(torch.tensor([2, 9, 9, 12]), 10, 4).tolist() == [2, 6, 6, 7]
 
 
 STRATEGIES = [
