@@ -108,6 +108,12 @@ def test_refusals(gen: torch.Generator) -> None:
         _drop_in(s, block_size=48)
     with pytest.raises(msa.MSAInputError, match=r"^k_cache: expected a \[slots, Hkv, D\] token pool"):
         _drop_in(s, k_cache=s["k_pool"].unsqueeze(0))
+    # fp8 pools SGLang's kernel takes and msa does not read: unsupported (keep SGLang's kernel),
+    # not invalid input (was MSAInputError)
+    for dtype in (getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, n)):
+        pools = {side: s[f"{side[0]}_pool"].to(dtype) for side in ("k_cache", "v_cache")}
+        with pytest.raises(msa.MSAUnsupportedError, match=rf"^kv_cache: msa reads fp8 caches in float8_e4m3fn, not {dtype}"):
+            _drop_in(s, **pools)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton backend runs on the CPU only under TRITON_INTERPRET=1")

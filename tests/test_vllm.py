@@ -50,6 +50,23 @@ def test_drop_in_equals_the_reference(layout: str, length: int, seed: int) -> No
     torch.testing.assert_close(args[7].float(), ref.float(), rtol=2**-7, atol=2e-3)
 
 
+def test_one_element_scales_of_any_shape_and_float_dtype(seed: int) -> None:
+    """vLLM reads any one-element float tensor as a side's scale (`numel() == 1`), whatever its
+    shape or dtype: so does the drop-in ([1, 1] was refused as per-slot scales, fp64 / bf16 as bad
+    scales)."""
+    args, scales, _ = _vllm_args("fp8_e4m3", 1, seed)
+    minimax_m3_sparse_attn_decode(*args, **scales)
+    want = args[7].clone()
+    k, v = float(scales["k_scale"]), float(scales["v_scale"])
+    for shape, dtype in (((1, 1), torch.float32), ((1,), torch.float64), ((1, 1, 1), torch.bfloat16)):
+        args[7].fill_(float("nan"))
+        minimax_m3_sparse_attn_decode(*args, k_scale=torch.full(shape, k, dtype=dtype),
+                                      v_scale=torch.full(shape, v, dtype=dtype))
+        if dtype == torch.bfloat16 and (torch.tensor(k).bfloat16().item() != k or torch.tensor(v).bfloat16().item() != v):
+            continue  # (a scale bf16 cannot hold is another scale)
+        assert torch.equal(args[7], want), (shape, dtype)
+
+
 def test_scales_are_read_only_for_fp8_caches(seed: int) -> None:
     args, _, step = _vllm_args("bfloat16", 1, seed)
     ignored = torch.full((), 7.0)

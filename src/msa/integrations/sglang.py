@@ -168,7 +168,8 @@ def flash_decode_with_gqa_share_sparse(
     `use_tma` is accepted and ignored (SGLang ignores it too).
 
     Raises:
-        MSAUnsupportedError: a sink, HiSparse slots, or pages that are not whole sparse blocks.
+        MSAUnsupportedError: a sink, HiSparse slots, pages that are not whole sparse blocks, or
+            fp8 pools in a format msa does not read (e5m2, fnuz: SGLang's kernel takes them).
         MSAInputError: anything msa's own checks refuse, naming the argument.
     """
     if sink is not None:

@@ -15,14 +15,19 @@ The signature is vLLM's (0.33.0's eleven parameters, in order, plus `query_start
 - `block_table` int32 `[num_reqs, max_blocks]`; `seq_lens` int32 `[num_reqs]` including the new
   tokens; `num_kv_heads` = Hkv; `sm_scale` a float.
 - `output` `[total_q, Hq, D]`, written in place; the function returns None.
-- `k_scale` / `v_scale`: both None or both given, one-element fp32 tensors on the output's
-  device; read only for fp8 caches (as in vLLM). vLLM's per-slot scale mode (two
-  `[Hkv, max_kv_tokens]` tensors) is refused with `MSAUnsupportedError`.
+- `k_scale` / `v_scale`: both None or both given, one-element float tensors of any shape on the
+  output's device (read as fp32, as vLLM reads them); read only for fp8 caches (as in vLLM).
+  vLLM's per-slot scale mode (two `[Hkv, max_kv_tokens]` tensors) is refused with
+  `MSAUnsupportedError`.
 - ragged batches: `query_start_loc` int32 `[num_reqs + 1]` (request `r` owns rows
   `[qsl[r], qsl[r+1])`; rows at or past `qsl[num_reqs]` are padding) with
   `token_to_req_indices` (each row's request, at least `total_q` long). As in vLLM,
   `decode_query_len` is not used then; msa takes each request's length from
-  `query_start_loc` (at most 32 rows per request) and derives the row -> request map itself.
+  `query_start_loc` and derives the row -> request map itself. At most 32 rows per request
+  (`RAGGED_MAX_QUERY_LEN`, the kernels' limit): a longer request is outside this contract and is
+  NOT refused by default (seeing it would read `query_start_loc` on the host every call): msa
+  caps it at 32 rows, as semantics §3.2 reads a malformed `query_start_loc`, and the step's later
+  rows shift, a wrong answer. `MSA_VALIDATE=1` refuses such a step with `MSAInputError`.
 
 msa's semantics are a superset of vLLM's on these inputs: `-1` and out-of-range ids anywhere in
 a list are skipped (vLLM reads only the first `ceil(n / 128)` list positions), negative pages
@@ -39,15 +44,13 @@ import torch
 
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.layouts import UNREAD_FP8
 
 __all__ = ["minimax_m3_sparse_attn_decode", "RAGGED_MAX_QUERY_LEN"]
 
 #: The query tokens per request msa serves in a ragged step (the Triton kernels' limit).
 RAGGED_MAX_QUERY_LEN = 32
 
-_FP8_REFUSED = tuple(
-    getattr(torch, name) for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)
-)
 
 
 def _scales(
@@ -57,13 +60,19 @@ def _scales(
         raise MSAInputError("k_scale / v_scale", "both None or both given", "one of them")
     if k_scale is None or v_scale is None or not fp8:
         return 1.0, 1.0  # vLLM reads the scales only for fp8 caches
+    scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if isinstance(scale, torch.Tensor) and scale.dim() == 2:
+        if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.numel() > 1:
             raise MSAUnsupportedError(
                 f"{name}: msa takes one scale per cache side (a one-element fp32 tensor); vLLM's per-slot "
                 f"[Hkv, max_kv_tokens] scales (shape {tuple(scale.shape)}) are not supported"
             )
-    return k_scale, v_scale
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():
+            # vLLM reads any one-element float tensor as the side's scale, whatever its shape or
+            # float dtype; msa takes it as one fp32 element (no copy for an fp32 one)
+            scale = scale.reshape(1).to(torch.float32)
+        scales.append(scale)
+    return scales[0], scales[1]
 
 
 def minimax_m3_sparse_attn_decode(
@@ -91,7 +100,7 @@ def minimax_m3_sparse_attn_decode(
         raise MSAInputError("kv_cache", "a torch.Tensor [num_blocks, Hkv, 128, 2D]", type(kv_cache).__name__)
     if kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * q.shape[-1]:
         kv_cache = kv_cache.view(torch.float8_e4m3fn)  # vLLM keeps fp8 caches in uint8 storage
-    if kv_cache.dtype in _FP8_REFUSED:
+    if kv_cache.dtype in UNREAD_FP8:
         raise MSAUnsupportedError(f"kv_cache: msa reads fp8 caches in float8_e4m3fn, not {kv_cache.dtype}")
     if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads:
         raise MSAInputError(
