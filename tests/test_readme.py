@@ -60,3 +60,23 @@ def test_readme_python_block_runs_on_the_cpu(line: int, code: str, capsys: pytes
 @pytest.mark.parametrize("where, code", DOCS, ids=[where for where, _ in DOCS])
 def test_docs_python_block_is_valid_python(where: str, code: str) -> None:
     compile(code, where, "exec")
+
+
+def test_the_readme_explain_example_is_what_msa_explain_prints(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's `$ msa explain ...` block, line for line (a README line ending in "..." is cut
+    short: the output's line starts with it). A backend whose `strategy()` has nothing to say (None)
+    adds no line (this session's first guard of plugin strategies printed one)."""
+    from msa.cli import main
+
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("$ msa explain "))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
+    capsys.readouterr()
+    assert main(lines[start].split()[2:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = lines[start + 1 : end]
+    assert len(printed) == len(shown), printed
+    for want, got in zip(shown, printed, strict=True):
+        assert got.startswith(want[:-3]) if want.endswith("...") else got == want, (want, got)

@@ -251,7 +251,7 @@ def _check_layout_holds(layout: KVLayout, geometry: Geometry, kv_form: str) -> N
 
 def _print_strategy(name: str, policy: SelectionPolicy, problem: DecodeProblem, platform: Platform) -> None:
     """How the chosen backend runs the step (`Backend.strategy`, plugin code: a fault or a value
-    that is not a str is reported on its line, not raised; an msa error stays one)."""
+    that is neither a str nor None is reported on its line, not raised; an msa error stays one)."""
     from msa.errors import MSAError
     from msa.plugins.faults import PluginFault, given, guarded
 
@@ -262,8 +262,8 @@ def _print_strategy(name: str, policy: SelectionPolicy, problem: DecodeProblem, 
             raise fault.cause from None
         print(f"{name}: strategy() failed: {fault.error}")
         return
-    if not isinstance(how, str):
-        print(f"{name}: strategy() returned {given(how)}, not a str")
+    if how is not None and not isinstance(how, str):  # (None: nothing to say, as `Backend.strategy` allows)
+        print(f"{name}: strategy() returned {given(how)}, not a str or None")
     elif how:
         print(f"{name} runs it with {how}")
 
