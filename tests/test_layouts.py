@@ -206,6 +206,13 @@ def test_writer_input_errors() -> None:
     cache = BFLOAT16.allocate(2, 2, 16, 64)
     good = torch.zeros((4, 2, 64), dtype=torch.bfloat16)
     slots = torch.arange(4)
+    # flags are real bools ("no" was truthy: validation on, the Triton writer asked for)
+    with pytest.raises(MSAInputError, match=r"^validate: expected True or False, got 'no'"):
+        BFLOAT16.write(cache, good, good, slots, validate="no")  # type: ignore[arg-type]
+    with pytest.raises(MSAInputError, match=r"^kernel: expected True or False, got 'no'"):
+        BFLOAT16.write(cache, good, good, slots, kernel="no")  # type: ignore[arg-type]
+    with pytest.raises(MSAInputError, match=r"^separate: expected True or False, got 'no'"):
+        BFLOAT16.allocate(1, 1, 16, 64, separate="no")  # type: ignore[call-overload]
     with pytest.raises(MSAInputError, match=r"key: expected \[num_tokens, 2, 64\] bf16/fp16, got shape \(4, 3, 64\)"):
         BFLOAT16.write(cache, torch.zeros((4, 3, 64), dtype=torch.bfloat16), good, slots)
     with pytest.raises(MSAInputError, match=r"value: expected .* got dtype torch.float32"):

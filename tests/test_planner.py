@@ -223,6 +223,13 @@ def test_run_checks_against_the_plan() -> None:
         planner.plan(kw["block_table"], kw["seq_lens"].long(), decode_query_len=2)
     with pytest.raises(MSAInputError, match=r"^decode_query_len: expected an int >= 1, got 0"):
         planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=0)
+    # the host copy of the lengths kernel libraries plan from is checked too (it was taken as given)
+    for bad, match in (([100, 60, 3], r"^seq_lens_cpu: expected a torch.Tensor, got list"),
+                       (kw["seq_lens"].float(), r"^seq_lens_cpu: expected an int32 tensor \[B\]"),
+                       (kw["seq_lens"][:1], r"^seq_lens_cpu: expected 3 entries \(B from seq_lens\), got 1")):
+        with pytest.raises(MSAInputError, match=match):
+            planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2, seq_lens_cpu=bad)
+    planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2, seq_lens_cpu=kw["seq_lens"].clone())
 
 
 def test_padded_rows_are_zero_and_neg_inf() -> None:

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from msa.backends.base import AnyBackend
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache
 from msa.planner import DecodePlanner
 from msa.platform import current_stream_key, detect, stream_capturing
@@ -25,7 +25,6 @@ from msa.validation import (
     call_signature,
     check_decode_data,
     check_decode_inputs,
-    check_flag,
     validation_requested,
 )
 

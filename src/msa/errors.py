@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TypeGuard
 
-__all__ = ["MSAError", "MSAInputError", "MSAKeyError", "MSAUnsupportedError", "MSAPluginError", "is_int"]
+__all__ = ["MSAError", "MSAInputError", "MSAKeyError", "MSAUnsupportedError", "MSAPluginError", "is_int", "check_flag"]
 
 
 class MSAError(Exception):
@@ -62,3 +62,10 @@ def is_int(value: object) -> TypeGuard[int]:
     """Whether an int argument was given one: an int and not a bool (`True == 1`, and
     `2.0 in (1, 2)`, would pass a comparison)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_flag(argument: str, value: object) -> None:
+    """A real bool (a string such as "yes" is a mistake, not a truthy value), or an
+    `MSAInputError` naming `argument`."""
+    if not isinstance(value, bool):
+        raise MSAInputError(argument, "True or False", repr(value))

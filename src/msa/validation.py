@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
 from msa.layouts.base import KVOperands
 from msa.problem import DecodeProblem, Geometry, cache_form
@@ -31,7 +31,6 @@ __all__ = [
     "validation_requested",
     "check_tensor",
     "check_int32",
-    "check_flag",
     "check_disjoint",
     "byte_span",
     "call_signature",
@@ -100,12 +99,6 @@ def check_tensor(
     if device is not None and value.device != device:
         raise MSAInputError(argument, f"a tensor on {device} ({whose})", value.device)
     return value
-
-
-def check_flag(argument: str, value: object) -> None:
-    """A real bool (a string such as "yes" is a mistake, not a truthy value)."""
-    if not isinstance(value, bool):
-        raise MSAInputError(argument, "True or False", repr(value))
 
 
 def _span(t: torch.Tensor) -> int:

@@ -15,8 +15,7 @@ from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
 from msa.distributed.combine import combine_partials
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import ProcessGroup, group_info
-from msa.errors import MSAInputError
-from msa.validation import check_flag
+from msa.errors import MSAInputError, check_flag
 
 __all__ = ["combine_partials", "merge_partials", "merge_partials_scattered"]
 

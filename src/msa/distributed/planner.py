@@ -26,7 +26,7 @@ from msa.distributed.agreement import Fact, agree, dtype_code, name_code
 from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import GroupInfo, ProcessGroup, group_info
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache
 from msa.planner import DecodePlan, DecodePlanner, PlanKey
 from msa.planning import PlanCache
@@ -34,7 +34,7 @@ from msa.platform import Platform
 from msa.policy import SelectionPolicy
 from msa.problem import Geometry
 from msa.scales import Scale
-from msa.validation import check_decode_inputs, check_flag, output_dtype, validation_requested
+from msa.validation import check_decode_inputs, output_dtype, validation_requested
 
 __all__ = ["DistributedDecodePlan", "DistributedDecodePlanner"]
 

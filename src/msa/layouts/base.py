@@ -9,7 +9,7 @@ from typing import Literal, overload
 import attrs
 import torch
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, check_flag
 from msa.launcher import unit_stride
 from msa.platform import resolve_device, triton_available
 from msa.scales import Scale, check_scale, check_scale_value
@@ -233,6 +233,7 @@ class KVLayout(abc.ABC):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MSAInputError(argument, "a positive int", repr(value))
         self._check_geometry(page_size, head_dim)
+        check_flag("separate", separate)
         device = resolve_device(device)  # a clear error for a CUDA device on a machine without one
         if separate:
             if not self.separable:
@@ -290,6 +291,9 @@ class KVLayout(abc.ABC):
         block scale at 448) and stores NaN as 0 (E2M1 has no NaN), so one bad value cannot
         poison the rest of the write.
         """
+        check_flag("validate", validate)
+        if kernel is not None:
+            check_flag("kernel", kernel)
         shape = self.inspect(cache)
         device = cache_device(cache)
         slots = _check_write_inputs(device, shape, key, value, slot_mapping, validate)

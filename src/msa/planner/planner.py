@@ -9,18 +9,18 @@ from contextlib import contextmanager
 import torch
 
 from msa.backends.base import AnyBackend
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache, get_layout
 from msa.planner.guard import OneThreadGuard
 from msa.planner.plans import DecodePlan, PlanBook, PlanKey, StepShape
-from msa.planner.refresh import check_ragged, check_tables, refresh
+from msa.planner.refresh import check_host_lens, check_ragged, check_tables, refresh
 from msa.planner.runs import checked_run_inputs
 from msa.planning import PlanCache, StepTables
 from msa.platform import Platform, detect, resolve_device
 from msa.policy import SelectionPolicy, default_policy
 from msa.problem import CACHE_FORMS, DecodeProblem, Geometry
 from msa.scales import Scale
-from msa.validation import Q_DTYPES, DecodeInputs, check_flag, output_dtype
+from msa.validation import Q_DTYPES, DecodeInputs, output_dtype
 
 __all__ = ["DecodePlanner"]
 
@@ -169,9 +169,10 @@ class DecodePlanner:
             num_rows: the rows of `q` for a ragged step.
         """
         table, lens = check_tables(block_table, seq_lens, self.device, decode_query_len)
+        host_lens = check_host_lens(seq_lens_cpu, lens)
         ragged_rows = check_ragged(query_start_loc, num_rows, lens.shape[0], self.device)
         with self._guard.exclusive():
-            return self._plan(table, lens, decode_query_len, query_start_loc, ragged_rows, seq_lens_cpu)
+            return self._plan(table, lens, decode_query_len, query_start_loc, ragged_rows, host_lens)
 
     def _plan(
         self,

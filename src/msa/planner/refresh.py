@@ -31,6 +31,18 @@ def check_tables(
     return table, lens
 
 
+def check_host_lens(seq_lens_cpu: object, lens: torch.Tensor) -> torch.Tensor | None:
+    """`seq_lens_cpu`, when given: int32 `[B]` on the host, as many entries as `seq_lens` (its
+    values are the caller's promise: kernel libraries plan from them)."""
+    if seq_lens_cpu is None:
+        return None
+    host = check_tensor("seq_lens_cpu", seq_lens_cpu, torch.device("cpu"), "the host")
+    check_int32("seq_lens_cpu", host, "[B]", 1)
+    if host.shape != lens.shape:
+        raise MSAInputError("seq_lens_cpu", f"{lens.shape[0]} entries (B from seq_lens)", host.shape[0])
+    return host
+
+
 def check_ragged(query_start_loc: object, num_rows: object, batch: int, device: torch.device) -> int | None:
     """The rows of a ragged step (`query_start_loc` int32 `[B+1]` with `num_rows` the rows of q),
     or None for a uniform one."""
