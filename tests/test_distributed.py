@@ -78,11 +78,31 @@ def test_combine_partials_one_rank_contributes_nothing(gen: torch.Generator) -> 
     torch.testing.assert_close(lse, lses[0])
 
 
-def test_combine_partials_reads_nan_lse_as_empty() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_combine_partials_reads_nan_or_inf_lse_as_empty(bad: float) -> None:
+    """docs/distributed.md: an LSE of NaN or +inf is read as -inf (its rank contributes nothing)."""
     outs = torch.ones((2, 1, 1, 2))
-    lses = torch.tensor([[[0.5]], [[float("nan")]]])
+    outs[1] = 7.0
+    lses = torch.tensor([[[0.5]], [[bad]]])
     out, lse = dcp.combine_partials(outs, lses)
     assert torch.equal(out, torch.ones((1, 1, 2))) and lse.item() == 0.5
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0"), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_combine_kernel_reads_nan_or_inf_lse_as_empty(bad: float) -> None:
+    """The same in the Triton combine kernel: a row with one bad rank takes the other's; a row
+    whose every rank is bad is empty (out 0, LSE -inf)."""
+    from msa.distributed.combine import combine_into
+
+    outs = torch.ones((2, 1, 2, 16), dtype=torch.bfloat16)
+    outs[1] = 7.0
+    lses = torch.tensor([[[0.5, bad]], [[bad, bad]]])
+    out = torch.full((1, 2, 16), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((1, 2), float("nan"))
+    combine_into(outs, lses, out, lse, kernel=True)
+    assert torch.equal(out[0, 0].float(), torch.ones(16)) and lse[0, 0].item() == 0.5
+    assert not out[0, 1].any() and lse[0, 1].item() == float("-inf")
 
 
 def test_combine_partials_rejects_mismatched_shapes() -> None:

@@ -4,6 +4,7 @@ changing any result or letting a bad argument through."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -50,6 +51,25 @@ def test_layers_of_a_step_share_one_refresh_and_give_exact_results(monkeypatch: 
     assert len(refreshes) == 1
     fresh = [msa.sparse_decode(**kw, backend="reference", validate=True) for kw in layers]
     assert all(torch.equal(a, b) for a, b in zip(again, fresh, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_tables_changed_in_place_are_seen(backend: str) -> None:
+    """sparse_decode's docstring: the eager metadata is refreshed when `block_table` or
+    `query_start_loc` (as `seq_lens`, tested above) was changed in place through torch."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    kw = make_decode_step(GEOMETRY, batch_size=3, decode_query_len=2, context_len=100, seed=1).kwargs()
+    qsl = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    before = msa.sparse_decode(**kw, query_start_loc=qsl, backend=backend)
+    msa.sparse_decode(**kw, query_start_loc=qsl, backend=backend)
+    kw["block_table"][0].copy_(kw["block_table"][1].clone())  # request 0 reads request 1's pages
+    qsl[1:] = torch.tensor([1, 3, 5], dtype=torch.int32)  # one row for request 0, two each after, a padding row
+    got = msa.sparse_decode(**kw, query_start_loc=qsl, backend=backend)
+    fresh = msa.sparse_decode(**dict(kw, block_table=kw["block_table"].clone()), query_start_loc=qsl.clone(),
+                              backend="reference", validate=True)
+    torch.testing.assert_close(got.float(), fresh.float(), rtol=2**-7, atol=2e-3)
+    assert not torch.equal(got, before)
 
 
 def test_new_metadata_objects_are_refreshed(monkeypatch: pytest.MonkeyPatch) -> None:

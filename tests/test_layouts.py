@@ -107,6 +107,22 @@ def test_fp8_round_trip_within_e4m3_rounding(scale: float, gen: torch.Generator)
         assert ((x - y).abs() > 0).any(), "fp8 must actually round"
 
 
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "bfloat16"])
+def test_split_writers_store_non_finite_values_as_the_docstring_says(layout: str) -> None:
+    """write's docstring: the split layouts store what they are given, FP8 saturating +-Inf at
+    +-448 and keeping NaN (the torch writer here; the Triton one in the GPU writer test: the
+    interpreter's fp8 casts are wrong)."""
+    lay = get_layout(layout)
+    cache = lay.allocate(1, 1, 16, 64)
+    key = torch.zeros((1, 1, 64), dtype=torch.bfloat16)
+    key[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0])
+    lay.write(cache, key, key, torch.tensor([0]), kernel=False)
+    top = 448.0 if layout == "fp8_e4m3" else float("inf")
+    for side in lay.dequantize(cache):
+        row = side[0, 0, 0, :4]
+        assert row[0] == top and row[1] == -top and torch.isnan(row[2]) and row[3] == 1.0, row
+
+
 def test_fp8_writer_saturates() -> None:
     cache = FP8_E4M3.allocate(1, 1, 16, 64)
     key = torch.full((1, 1, 64), 1000.0, dtype=torch.bfloat16)

@@ -311,6 +311,49 @@ def test_graph_capture_and_replay(layout: str, backend: str, gen: torch.Generato
             assert (out[padded] == 0).all() and torch.isneginf(lse[padded]).all()
 
 
+#: torch ops that create a tensor (what `run` must not call: it allocates nothing).
+_FACTORIES = {"empty", "empty_strided", "new_empty_strided", "zeros", "ones", "full", "empty_like", "zeros_like",
+              "ones_like", "full_like", "new_empty", "new_zeros", "new_full", "new_ones", "arange", "clone",
+              "_to_copy", "scalar_tensor"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0"), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("layout, length", [("bfloat16", 1), ("fp8_e4m3", 1), ("nvfp4", 1), ("bfloat16", 3)])
+def test_run_creates_no_tensor_in_msa_code_on_the_cpu(layout: str, length: int) -> None:
+    """README / run's docstring: `run` allocates nothing. On the CPU (the Triton backend under the
+    interpreter), no torch op that creates a tensor is called from msa's code during a run (the
+    interpreter's own tensors aside); the GPU test below counts the CUDA allocator's allocations."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket.__name__ in _FACTORIES:
+                stack = traceback.extract_stack()
+                ours = [f for f in stack if "/src/msa/" in f.filename]
+                if ours and not any("/triton/" in f.filename for f in stack):
+                    self.made.append(f"{func.overloadpacket.__name__} at {ours[-1].filename}:{ours[-1].lineno}")
+            return func(*args, **(kwargs or {}))
+
+    g = msa.Geometry(8, 2, 64, 16, 4)
+    kw = make_decode_step(g, batch_size=2, decode_query_len=length, context_len=100, kv_cache_dtype=layout,
+                          seed=0).kwargs()
+    planner = msa.DecodePlanner(g, kv_cache_dtype=layout, backend="triton", device="cpu", with_lse=True)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=length)
+    out, lse = torch.empty(kw["q"].shape, dtype=torch.bfloat16), torch.empty(kw["q"].shape[:2])
+    run = (plan, kw["q"], kw["kv_cache"], kw["topk_indices"])
+    planner.run(*run, out=out, lse=lse, k_scale=kw["k_scale"], v_scale=kw["v_scale"])  # (its first call checks)
+    record = Record()
+    with record:
+        planner.run(*run, out=out, lse=lse, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    assert not record.made, record.made
+
+
 @pytest.mark.gpu
 def test_run_allocates_nothing() -> None:
     step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=4096, kv_cache_dtype="fp8_e4m3", device="cuda", seed=0)
