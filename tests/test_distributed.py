@@ -424,3 +424,55 @@ def test_the_planner_checks_and_runs_in_one_atomic_step(seed: int) -> None:
     out.fill_(float("nan"))
     planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, **scales)  # the planner is free again
     torch.testing.assert_close(out, ref)
+
+
+def test_an_uninitialised_group_is_refused_by_name() -> None:
+    """docs/distributed.md: without torch.distributed initialised (and no group given), every
+    form raises MSAInputError naming `group`."""
+    assert not dist.is_initialized()
+    g = msa.Geometry(4, 2, 64, 16, 4)
+    with pytest.raises(msa.MSAInputError) as caught:
+        dcp.merge_partials(torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 4))
+    assert caught.value.argument == "group"
+    with pytest.raises(msa.MSAInputError) as caught:
+        dcp.sparse_decode(**make_decode_step(g, batch_size=2, context_len=64, seed=0).kwargs())
+    assert caught.value.argument == "group"
+    with pytest.raises(msa.MSAInputError) as caught:
+        dcp.DistributedDecodePlanner(g, device="cpu")
+    assert caught.value.argument == "group"
+
+
+def test_rank_slot_mapping_skips_what_the_rank_does_not_store() -> None:
+    """rank_slot_mapping's docstring: -1 for tokens the rank does not store, negative positions,
+    positions past the table, blocks whose table entry is negative (and requests outside it)."""
+    table = torch.tensor([[3, -1, 5], [7, 8, 9]], dtype=torch.int32)
+    request = torch.tensor([0, 0, 0, 0, 1, 1, 1, 5, -1])
+    position = torch.tensor([-1, 16, 3, 48, 40, 33, 0, 0, 0])
+    got = dcp.rank_slot_mapping(table, request, position, page_size=16, rank=0, world_size=1)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [-1, -1, 3 * 16 + 3, -1, 9 * 16 + 8, 9 * 16 + 1, 7 * 16, -1, -1]
+    rotated = dcp.rank_slot_mapping(table, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 16, 0, 16]), page_size=16,
+                                    rank=0, world_size=2, rotation=torch.tensor([1, 0]))
+    assert rotated.tolist() == [-1, -1, 7 * 16, -1]  # request 0: block 0 on rank 1, block 1's entry -1
+
+
+def test_shard_cache_gives_an_idle_rank_one_zero_page_keeps_pairs_and_copies_a_shared_page_once() -> None:
+    """shard_cache's docstring: a rank that holds no page gets one zero page; a pair stays a pair;
+    a page two requests share is copied once."""
+    g = msa.Geometry(4, 2, 64, 16, 4)
+    step = make_decode_step(g, batch_size=1, context_len=16, seed=0)  # one block: rank 1 of 2 holds none
+    cache, table = dcp.shard_cache(step.layout, step.kv_cache, step.block_table, 1, 2)
+    assert cache.shape[0] == 1 and not cache.any() and (table == -1).all()
+    pair = step.layout.allocate(step.kv_cache.shape[0], 2, 16, 64, separate=True)
+    for dst, src in zip(pair, step.layout.kv_views(step.kv_cache), strict=True):
+        dst.copy_(src)
+    shard, shard_table = dcp.shard_cache(step.layout, pair, step.block_table, 0, 2)
+    assert isinstance(shard, tuple) and len(shard) == 2
+    whole = msa.sparse_decode(**step.kwargs(), backend="reference")
+    assert torch.equal(whole, msa.sparse_decode(**dict(step.kwargs(), kv_cache=shard, block_table=shard_table),
+                                                backend="reference"))
+    two = make_decode_step(g, batch_size=2, context_len=32, seed=0)
+    shared = two.block_table.clone()
+    shared[1] = shared[0]
+    copied, local = dcp.shard_cache(two.layout, two.kv_cache, shared, 0, 1)
+    assert copied.shape[0] == 2 and torch.equal(local[0], local[1])

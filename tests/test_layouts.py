@@ -386,3 +386,32 @@ def test_nvfp4_negative_values_keep_their_sign_where_the_block_scale_rounds_to_z
     assert int(k_slot[64 + 1]) == 0, "token 0's group-1 block scale rounded to 0"
     codes = [(int(b) >> shift) & 0xF for b in k_slot[8:16] for shift in (0, 4)]  # token 0, elements 16-31
     assert codes == [8, 0, 0] + [8] * 13
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("separate", [False, True])
+def test_gather_takes_pages_of_any_shape_with_heads_broadcast(name: str, separate: bool) -> None:
+    """gather's docstring: pages of any shape S (heads broadcast against them) -> float32 K and V
+    `[*S, P, D]`, scales applied: the rows `dequantize` gives for those pages and heads."""
+    lay = get_layout(name)
+    if separate and not lay.separable:
+        pytest.skip("one tensor of head slots")
+    cache = lay.allocate(6, 3, 16, 64, separate=separate)
+    key = torch.randn((6 * 3 * 16, 3, 64), generator=torch.Generator().manual_seed(0)).bfloat16()
+    given = None if name == "nvfp4" else 0.5
+    k_scale, v_scale = lay.write(cache, key, -key, torch.arange(key.shape[0]), k_scale=given, v_scale=given)
+    keys, values = lay.dequantize(cache, k_scale=k_scale, v_scale=v_scale)
+    pages, heads = torch.tensor([[[5, 0], [2, 2]]]), torch.tensor([2, 1])
+    k, v = lay.gather(cache, pages, heads, k_scale=k_scale, v_scale=v_scale)
+    assert k.shape == v.shape == (1, 2, 2, 16, 64) and k.dtype == v.dtype == torch.float32
+    where = (pages, heads.expand_as(pages))
+    assert torch.equal(k, keys[where]) and torch.equal(v, values[where])
+    one, _ = lay.gather(cache, torch.tensor(4), torch.tensor(0), k_scale=k_scale, v_scale=v_scale)  # S = ()
+    assert one.shape == (16, 64) and torch.equal(one, keys[4, 0])
+
+
+@pytest.mark.parametrize("name", ["auto", "bfloat16", "float16", "fp8", "nvfp4"])
+def test_a_new_cache_dequantizes_to_zero(name: str) -> None:
+    """allocate's docstring: a zero-filled cache, whose zeros dequantize to 0 in every layout."""
+    keys, values = get_layout(name).dequantize(get_layout(name).allocate(2, 1, 16, 64), k_scale=0.3, v_scale=0.3)
+    assert not keys.any() and not values.any()
