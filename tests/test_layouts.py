@@ -225,7 +225,7 @@ def test_writer_input_errors() -> None:
     # flags are real bools ("no" was truthy: validation on, the Triton writer asked for)
     with pytest.raises(MSAInputError, match=r"^validate: expected True or False, got 'no'"):
         BFLOAT16.write(cache, good, good, slots, validate="no")  # type: ignore[arg-type]
-    with pytest.raises(MSAInputError, match=r"^kernel: expected True or False, got 'no'"):
+    with pytest.raises(MSAInputError, match=r"^kernel: expected True, False or None, got 'no'"):
         BFLOAT16.write(cache, good, good, slots, kernel="no")  # type: ignore[arg-type]
     with pytest.raises(MSAInputError, match=r"^separate: expected True or False, got 'no'"):
         BFLOAT16.allocate(1, 1, 16, 64, separate="no")  # type: ignore[call-overload]
@@ -397,7 +397,7 @@ def test_gather_takes_pages_of_any_shape_with_heads_broadcast(name: str, separat
     if separate and not lay.separable:
         pytest.skip("one tensor of head slots")
     cache = lay.allocate(6, 3, 16, 64, separate=separate)
-    key = torch.randn((6 * 3 * 16, 3, 64), generator=torch.Generator().manual_seed(0)).bfloat16()
+    key = torch.randn((6 * 16, 3, 64), generator=torch.Generator().manual_seed(0)).bfloat16()  # every slot
     given = None if name == "nvfp4" else 0.5
     k_scale, v_scale = lay.write(cache, key, -key, torch.arange(key.shape[0]), k_scale=given, v_scale=given)
     keys, values = lay.dequantize(cache, k_scale=k_scale, v_scale=v_scale)
@@ -415,3 +415,26 @@ def test_a_new_cache_dequantizes_to_zero(name: str) -> None:
     """allocate's docstring: a zero-filled cache, whose zeros dequantize to 0 in every layout."""
     keys, values = get_layout(name).dequantize(get_layout(name).allocate(2, 1, 16, 64), k_scale=0.3, v_scale=0.3)
     assert not keys.any() and not values.any()
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e5m2"), reason="needs torch.float8_e5m2")
+def test_fp8_caches_msa_does_not_read_are_unsupported_everywhere() -> None:
+    """An e5m2 (or fnuz) cache is a valid cache msa does not read: `MSAUnsupportedError` from the
+    layouts' own methods and from sparse_decode, for either half of a (k, v) pair (an engine keeps
+    its own kernel for it), never MSAInputError."""
+    import msa
+
+    good = FP8_E4M3.allocate(2, 1, 16, 64)
+    bad = good.view(torch.float8_e5m2)
+    key = torch.zeros((1, 1, 64), dtype=torch.bfloat16)
+    match = r"^kv_cache: msa reads fp8 caches in float8_e4m3fn, not torch.float8_e5m2"
+    for call in (lambda: FP8_E4M3.inspect(bad), lambda: FP8_E4M3.dequantize(bad),
+                 lambda: FP8_E4M3.write(bad, key, key, torch.tensor([0]), k_scale=1.0, v_scale=1.0)):
+        with pytest.raises(msa.MSAUnsupportedError, match=match):
+            call()
+    pair = FP8_E4M3.allocate(2, 1, 16, 32, separate=True)
+    step = dict(q=torch.zeros((1, 4, 32), dtype=torch.bfloat16), topk_indices=torch.zeros((1, 1, 1), dtype=torch.int32),
+                block_table=torch.zeros((1, 1), dtype=torch.int32), seq_lens=torch.ones(1, dtype=torch.int32))
+    for cache in ((pair[0], pair[1].view(torch.float8_e5m2)), (pair[0].view(torch.float8_e5m2), pair[1])):
+        with pytest.raises(msa.MSAUnsupportedError, match=match):
+            msa.sparse_decode(kv_cache=cache, **step)

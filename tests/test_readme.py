@@ -69,7 +69,8 @@ def test_the_readme_explain_example_is_what_msa_explain_prints(capsys: pytest.Ca
     adds no line (this session's first guard of plugin strategies printed one)."""
     from msa.cli import main
 
-    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    for name in ("MSA_BACKEND", "MSA_PLUGINS", "MSA_DISABLE_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
     lines = README.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("$ msa explain "))
     end = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))

@@ -64,7 +64,7 @@ def _scales(
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(scale, torch.Tensor) and scale.dim() == 2 and scale.numel() > 1:
             raise MSAUnsupportedError(
-                f"{name}: msa takes one scale per cache side (a one-element fp32 tensor); vLLM's per-slot "
+                f"{name}: msa takes one scale per cache side (a one-element float tensor); vLLM's per-slot "
                 f"[Hkv, max_kv_tokens] scales (shape {tuple(scale.shape)}) are not supported"
             )
         if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():

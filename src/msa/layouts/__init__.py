@@ -14,8 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from msa.errors import MSAInputError, MSAUnsupportedError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, cache_device, cache_nbytes
+from msa.errors import MSAInputError
+from msa.layouts.base import (
+    UNREAD_FP8,
+    CacheShape,
+    KVCache,
+    KVLayout,
+    KVOperands,
+    cache_device,
+    cache_nbytes,
+    refuse_unread_fp8,
+)
 from msa.layouts.nvfp4 import NVFP4, NVFP4HeadSlotLayout
 from msa.layouts.split import AUTO, BFLOAT16, FLOAT16, FP8_E4M3, SplitLayout
 
@@ -53,12 +62,6 @@ _BY_NAME: dict[str, KVLayout] = {
 #: Every accepted `kv_cache_dtype` string.
 LAYOUT_NAMES: tuple[str, ...] = tuple(_BY_NAME)
 
-#: fp8 formats an engine may keep a cache in that msa does not read (it reads E4M3FN): refused as
-#: unsupported (`MSAUnsupportedError`: an engine keeps its own kernel for them), not as bad input.
-UNREAD_FP8: tuple[torch.dtype, ...] = tuple(
-    getattr(torch, name) for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)
-)
-
 _BY_CACHE_DTYPE: dict[torch.dtype, KVLayout] = {
     torch.bfloat16: BFLOAT16,
     torch.float16: FLOAT16,
@@ -93,8 +96,8 @@ def layout_for_cache(cache: object, kv_cache_dtype: str | None = None) -> KVLayo
     first = cache[0] if isinstance(cache, tuple) and cache else cache
     if not isinstance(first, torch.Tensor):
         raise MSAInputError("kv_cache", "a torch.Tensor or a (k_cache, v_cache) pair", type(cache).__name__)
-    if first.dtype in UNREAD_FP8:
-        raise MSAUnsupportedError(f"kv_cache: msa reads fp8 caches in float8_e4m3fn, not {first.dtype}")
+    for part in cache if isinstance(cache, tuple) else (cache,):
+        refuse_unread_fp8("kv_cache", part)
     if kv_cache_dtype is None:
         if first.dtype not in _BY_CACHE_DTYPE:
             raise MSAInputError(

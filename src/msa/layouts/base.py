@@ -9,12 +9,13 @@ from typing import Literal, overload
 import attrs
 import torch
 
-from msa.errors import MSAInputError, check_flag
+from msa.errors import MSAInputError, MSAUnsupportedError, check_flag
 from msa.launcher import unit_stride
 from msa.platform import resolve_device, triton_available
 from msa.scales import Scale, check_scale, check_scale_value
 
-__all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "cache_device", "cache_nbytes"]
+__all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "UNREAD_FP8", "cache_device", "cache_nbytes",
+           "refuse_unread_fp8"]
 
 _KV_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -27,6 +28,19 @@ KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 def cache_device(cache: KVCache) -> torch.device:
     """The device of a cache (of its K tensor, for a pair)."""
     return cache[0].device if isinstance(cache, tuple) else cache.device
+
+
+#: fp8 formats an engine may keep a cache in that msa does not read (it reads E4M3FN): refused as
+#: unsupported (`MSAUnsupportedError`: an engine keeps its own kernel for them), not as bad input.
+UNREAD_FP8: tuple[torch.dtype, ...] = tuple(
+    getattr(torch, name) for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)
+)
+
+
+def refuse_unread_fp8(argument: str, value: object) -> None:
+    """`MSAUnsupportedError` for a tensor in one of the `UNREAD_FP8` formats."""
+    if isinstance(value, torch.Tensor) and value.dtype in UNREAD_FP8:
+        raise MSAUnsupportedError(f"{argument}: msa reads fp8 caches in float8_e4m3fn, not {value.dtype}")
 
 
 def cache_nbytes(cache: KVCache) -> int:
@@ -161,6 +175,7 @@ class KVLayout(abc.ABC):
         return self._shape_from_cache(cache, argument)
 
     def _check_tensor(self, argument: str, tensor: torch.Tensor, shape_doc: str) -> None:
+        refuse_unread_fp8(argument, tensor)
         if tensor.dtype not in self.accepted_dtypes:
             names = ", ".join(str(d) for d in self.accepted_dtypes)
             raise MSAInputError(
@@ -292,8 +307,8 @@ class KVLayout(abc.ABC):
         poison the rest of the write.
         """
         check_flag("validate", validate)
-        if kernel is not None:
-            check_flag("kernel", kernel)
+        if kernel is not None and not isinstance(kernel, bool):
+            raise MSAInputError("kernel", "True, False or None", repr(kernel))
         shape = self.inspect(cache)
         device = cache_device(cache)
         slots = _check_write_inputs(device, shape, key, value, slot_mapping, validate)

@@ -159,8 +159,8 @@ class DecodePlanner:
             block_table: int32 `[B, max_blocks]`, unit last stride.
             seq_lens: int32 `[B]`, lengths including the `L` new tokens (0 for padded requests).
             decode_query_len: `L` (default 1: one token per request).
-            seq_lens_cpu: the same lengths on the host, if the caller has them (saves a copy
-                when a kernel library plans on the host).
+            seq_lens_cpu: the same lengths on the host, int32 `[B]` (any strides, pinned or
+                not), if the caller has them (saves a copy when a kernel library plans on the host).
             query_start_loc: int32 `[B+1]` for ragged steps (speculative lengths that differ per
                 request): request `b` owns rows `[qsl[b], qsl[b+1])`; `decode_query_len` is then
                 the largest length, and `num_rows` the rows of `q` (a fixed token budget; rows

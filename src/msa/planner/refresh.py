@@ -9,7 +9,7 @@ from msa.errors import MSAInputError
 from msa.planner.plans import DecodePlan
 from msa.validation import check_int32, check_tensor
 
-__all__ = ["check_tables", "check_ragged", "refresh"]
+__all__ = ["check_tables", "check_host_lens", "check_ragged", "refresh"]
 
 
 def check_tables(
