@@ -103,6 +103,25 @@ def test_inference_mode_tables_share_one_refresh_per_step(monkeypatch: pytest.Mo
         assert all(torch.equal(a, b) for a, b in zip(nxt, fresh, strict=True))
 
 
+def test_a_known_signature_still_tells_devices_apart() -> None:
+    """A call signature holds each tensor's device: after a call with `out` on the CPU, the same
+    call with `out` on the meta device is refused as the first check refuses it (the signature
+    held `get_device()`, -1 for both, and the meta `out` was returned uncomputed), one-shot and
+    through a planner."""
+    kw = _layers(1)[0]
+    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16)
+    match = r"^out: expected a tensor on cpu \(the device of q\), got meta"
+    msa.sparse_decode(**kw, out=out, backend="reference")
+    with pytest.raises(msa.MSAInputError, match=match):
+        msa.sparse_decode(**kw, out=out.to("meta"), backend="reference")
+    planner = msa.DecodePlanner(GEOMETRY, backend="reference")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
+    run = (plan, kw["q"], kw["kv_cache"], kw["topk_indices"])
+    planner.run(*run, out=out, k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    with pytest.raises(msa.MSAInputError, match=match):
+        planner.run(*run, out=out.to("meta"), k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+
+
 def test_a_known_signature_still_refuses_bad_values() -> None:
     kw = _layers(1)[0]
     msa.sparse_decode(**kw, backend="reference")

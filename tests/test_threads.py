@@ -97,3 +97,33 @@ def test_one_shot_calls_on_several_streams() -> None:
     torch.cuda.synchronize()
     for i, out in enumerate(results):
         assert torch.equal(out, expected[i % len(steps)]), f"call {i} on stream {i % len(steps)}"
+
+
+def test_a_plan_refreshed_by_a_thread_that_has_ended_is_refused() -> None:
+    """run() refuses a plan last refreshed by another thread, also once that thread has ended
+    (CPython hands an ended thread's ident to new threads: the check compared idents, and about
+    half of such runs went through with the ended thread's tables)."""
+    g = msa.Geometry(8, 2, 64, 16, 4)
+    a = make_decode_step(g, batch_size=3, decode_query_len=2, context_len=150, seed=1).kwargs()
+    b = make_decode_step(g, batch_size=3, decode_query_len=2, context_len=150, seed=2).kwargs()
+    planner = msa.DecodePlanner(g, device="cpu", backend="reference")
+    outcomes: list[str] = []
+
+    def plan(box: dict[str, Any]) -> None:
+        box["plan"] = planner.plan(a["block_table"], a["seq_lens"], decode_query_len=2)
+
+    def run(box: dict[str, Any]) -> None:
+        try:
+            planner.run(box["plan"], b["q"], b["kv_cache"], b["topk_indices"],
+                        out=torch.empty(b["q"].shape, dtype=torch.bfloat16))
+            outcomes.append("ran")
+        except msa.MSAInputError as exc:
+            outcomes.append("refused" if "last refreshed by another thread" in str(exc) else str(exc))
+
+    for _ in range(40):
+        box: dict[str, Any] = {}
+        for step in (plan, run):  # each in a new thread, the first ended before the second starts
+            thread = threading.Thread(target=step, args=(box,))
+            thread.start()
+            thread.join()
+    assert outcomes == ["refused"] * 40, outcomes

@@ -145,7 +145,8 @@ def _tensor_signature(t: object) -> object:
     if isinstance(t, tuple):
         return tuple(map(_tensor_signature, t))
     assert isinstance(t, torch.Tensor)
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)  # the address: `vector_aligned`
+    # the device itself (`get_device()` is -1 for cpu and meta alike); the address: `vector_aligned`
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
 def vector_misalignment(q: torch.Tensor, out: torch.Tensor | None, kv: KVOperands,

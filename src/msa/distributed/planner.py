@@ -29,6 +29,7 @@ from msa.distributed.group import GroupInfo, ProcessGroup, group_info
 from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache
 from msa.planner import DecodePlan, DecodePlanner, PlanKey
+from msa.planner.guard import thread_token
 from msa.planning import PlanCache
 from msa.platform import Platform
 from msa.policy import SelectionPolicy
@@ -314,7 +315,7 @@ class DistributedDecodePlanner:
                 "plan", "a live plan", "a plan retired by DistributedDecodePlanner.clear()",
                 "Call plan() again and capture new graphs with the plan it returns.",
             )
-        if plan.local.thread != threading.get_ident():
+        if plan.local.thread is not thread_token():
             raise MSAInputError(
                 "plan", "a plan refreshed by this thread's last plan() call", "a plan last refreshed by another thread",
                 "A planner serves one thread: create one per thread.",

@@ -12,7 +12,19 @@ from contextlib import contextmanager
 from msa.errors import MSAInputError
 from msa.planner.plans import DecodePlan
 
-__all__ = ["OneThreadGuard"]
+__all__ = ["OneThreadGuard", "thread_token"]
+
+_LOCAL = threading.local()
+
+
+def thread_token() -> object:
+    """An object unique to the calling thread, which no other thread ever gets while a plan holds
+    it (`threading.get_ident()` is handed to a new thread once a thread exits: a plan refreshed by
+    a thread that has since ended would pass as the new thread's)."""
+    token = getattr(_LOCAL, "token", None)
+    if token is None:
+        token = _LOCAL.token = object()
+    return token
 
 
 class OneThreadGuard:
@@ -39,7 +51,7 @@ class OneThreadGuard:
     @staticmethod
     def claim(plan: DecodePlan) -> None:
         """Record that this thread's `plan()` refreshed `plan` (call inside `exclusive`)."""
-        plan.thread = threading.get_ident()
+        plan.thread = thread_token()
 
     def check(self, plan: object, token: object) -> DecodePlan:
         """`plan` as a plan this planner (`token`) may run now, from this thread (call inside
@@ -56,7 +68,7 @@ class OneThreadGuard:
                 "plan", "a live plan", f"a plan retired by {self.owner}.clear()",
                 "Call plan() again and capture new graphs with the plan it returns.",
             )
-        if plan.thread != threading.get_ident():
+        if plan.thread is not thread_token():
             raise MSAInputError(
                 "plan", "a plan refreshed by this thread's last plan() call",
                 "a plan last refreshed by another thread (its tables describe that thread's step)",

@@ -50,7 +50,8 @@ class DecodePlan:
         backend_plan: the backend's own plan (workspaces, library plans).
         owner: the token of the planner that made it.
         retired: set by `DecodePlanner.clear()`; a retired plan never runs.
-        thread: the thread whose `plan()` refreshed it last (its tables describe that thread's step).
+        thread: the token (`guard.thread_token`) of the thread whose `plan()` refreshed it last
+            (its tables describe that thread's step).
         runs: the checks of earlier runs, by call signature.
     """
 
@@ -61,7 +62,7 @@ class DecodePlan:
     backend_plan: Any
     owner: object
     retired: bool = False
-    thread: int = 0
+    thread: object = None
     runs: dict[Hashable, Any] = attrs.field(factory=dict)
 
     def buffers(self) -> dict[str, torch.Tensor]:
