@@ -251,3 +251,14 @@ def test_explain_takes_a_strided_view_of_an_nvfp4_cache(capsys: pytest.CaptureFi
     assert main(["explain", "--cpu", "--kv-dtype", "nvfp4", "--kv-form", "strided"]) == 0
     out = capsys.readouterr().out
     assert "K/V strided" in out and "runs on 'reference'" in out
+
+
+def test_a_table_keeps_each_row_on_one_line() -> None:
+    """format_table: a cell holding line breaks (a plugin's name, version or reasons) stays on its
+    row (it split the row in `msa backends` / `msa explain`); numbers right-aligned, text left."""
+    from msa.display import format_table
+
+    table = format_table(["name", "us"], [["evil\nplugin", 1.5], ["ok", 12.25]])
+    lines = table.splitlines()
+    assert len(lines) == 4, table  # header, rule, two rows
+    assert lines[2].startswith("evil plugin") and lines[2].endswith(" 1.500") and lines[3].endswith("12.250")

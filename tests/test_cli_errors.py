@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -35,8 +36,9 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["demo", "--seed", "9" * 23], "demo", ("argument --seed", "[-2^63, 2^64)", "'" + "9" * 23 + "'")),
     (["demo", "--seed", str(-(2**63) - 1)], "demo", ("argument --seed", "[-2^63, 2^64)", str(-(2**63) - 1))),
     (["demo", "--seed", "x"], "demo", ("argument --seed", "[-2^63, 2^64)", "'x'")),
-    (["demo", "--batch", "99999999999999", "--layout", "bfloat16"], "demo", ("--batch / --context", "GiB", "lower")),
-    (["demo", "--context", "9" * 17, "--batch", "1"], "demo", ("--batch / --context", "GiB", "lower")),
+    (["demo", "--batch", "2000000000", "--layout", "bfloat16"], "demo", ("--batch / --context", "GiB", "lower")),
+    (["demo", "--context", "2000000000", "--batch", "1"], "demo", ("--batch / --context", "GiB", "lower")),
+    (["demo", "--batch", "99999999999999"], "demo", ("argument --batch", "below 2^31")),
     (["demo", "--query-len", "200", "--context", "128"], "demo", ("--query-len", "at most --context = 128", "200")),
     # steps the layout cannot hold, refused as the API refuses their caches
     (["explain", "--kv-dtype", "nvfp4", "--kv-form", "separate"], "explain", ("--kv-form", "packed or strided", "separate")),
@@ -48,6 +50,21 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["bench", "--batches", "1,x"], "bench", ("argument --batches", "positive integers", "'1,x'")),
     (["bench", "--plot", "missing.json"], "bench", ("argument --plot", "missing.json")),
     (["frobnicate"], "", ("argument COMMAND", "'frobnicate'")),
+    # sizes past int32, and pages no tensor can have: one line (they were tracebacks)
+    (["layouts", "--head-dim", "144115188075855872"], "layouts", ("argument --head-dim", "below 2^31")),
+    (["explain", "--head-dim", "9" * 20], "explain", ("argument --head-dim", "below 2^31")),
+    (["explain", "--heads", f"{'9' * 20}/{'9' * 20}"], "explain", ("argument --heads", "below 2^31")),
+    (["explain", "--head-dim", "1099511627", "--page-size", "1099511627"], "explain",
+     ("--heads / --page-size / --head-dim", "a size a tensor can have")),
+    # msa bench's names and numbers are checked before anything is measured (even on a CPU)
+    (["bench", "--strategies", "bogus,per-tokn"], "bench", ("--strategies", "auto, dedup, per-token", "bogus, per-tokn")),
+    (["bench", "--integrations", "bogus"], "bench", ("--integrations", "sglang-dropin", "bogus")),
+    (["bench", "--layouts", "fp4"], "bench", ("--layouts", "nvfp4", "fp4")),
+    (["bench", "--baselines", "numpy"], "bench", ("--baselines", "torch, flex", "numpy")),
+    (["bench", "--kv-forms", "paged"], "bench", ("--kv-forms", "packed", "paged")),
+    (["bench", "--overlap", "2,-1"], "bench", ("--overlap", "[0, 1]")),
+    (["bench", "--overlap", "inf"], "bench", ("--overlap", "[0, 1]")),
+    (["bench", "--overlap", ""], "bench", ("--overlap", "[0, 1]")),
 ]
 
 
@@ -78,6 +95,51 @@ def test_plot_of_a_file_that_is_not_json(tmp_path: Path, capsys: pytest.CaptureF
     path.write_text("this is not json")
     assert main(["bench", "--plot", str(path)]) == 2
     check_one_line(capsys.readouterr().err, "bench", ("argument --plot", "not JSON", str(path)))
+
+
+def test_bench_out_that_cannot_hold_the_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out` a file, or holding a directory where bench.json goes: one line, exit 2, before
+    anything is measured (a traceback after the whole sweep before)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "out" / "bench.json").mkdir(parents=True)
+    for argv, fragments in ((["--out", str(afile)], ("--out", "a file")),
+                            (["--out", str(tmp_path / "out")], ("--out", "a directory"))):
+        assert main(["bench", *argv]) == 2
+        check_one_line(capsys.readouterr().err, "bench", fragments)
+
+
+def test_plot_files_that_cannot_be_read_or_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--plot` of JSON nested past Python's recursion limit; without matplotlib, a clear refusal
+    (it exited 0 drawing nothing); with it, a file named .png (its plot would replace it) or a
+    plot path that is a directory: one line, exit 2 (a traceback, or a silently replaced input)."""
+    import importlib.util
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert main(["bench", "--plot", str(deep)]) == 2
+    check_one_line(capsys.readouterr().err, "bench", ("argument --plot", str(deep)))
+    good = {"rows": [], "copy_gbps": 1.0, "device": "x", "date": "d"}
+    (tmp_path / "taken.json").write_text(json.dumps(good))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert main(["bench", "--plot", str(tmp_path / "taken.json")]) == 2
+        check_one_line(capsys.readouterr().err, "bench", ("--plot", "matplotlib installed"))
+        return
+    png = tmp_path / "data.png"
+    png.write_text(json.dumps(good))
+    assert main(["bench", "--plot", str(png)]) == 2
+    check_one_line(capsys.readouterr().err, "bench", ("--plot", "the plot would replace it"))
+    assert json.loads(png.read_text()) == good
+    (tmp_path / "taken.png").mkdir()
+    assert main(["bench", "--plot", str(tmp_path / "taken.json")]) == 2
+    check_one_line(capsys.readouterr().err, "bench", ("--plot", "can be written"))
+
+
+def test_an_unknown_msa_backend_is_named_as_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MSA_BACKEND", "bogus")
+    assert main(["explain", "--cpu"]) == 2
+    check_one_line(capsys.readouterr().err, "explain", ("MSA_BACKEND", "'bogus'"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")

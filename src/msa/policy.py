@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from msa.backends.base import AnyBackend
-from msa.errors import MSAPluginError, MSAUnsupportedError
+from msa.errors import MSAInputError, MSAPluginError, MSAUnsupportedError
 from msa.hooks import PluginFailure
 from msa.platform import Platform
 from msa.plugins.faults import PluginFault, guarded
@@ -175,7 +175,12 @@ class SelectionPolicy:
         via_env = False
         if backend == "auto" and env.get("MSA_BACKEND", "") not in ("", "auto"):
             backend, via_env = env["MSA_BACKEND"], True
-        requested = None if backend == "auto" else self.registry.resolve(backend)
+        try:
+            requested = None if backend == "auto" else self.registry.resolve(backend)
+        except MSAInputError as exc:
+            if not via_env:
+                raise
+            raise MSAInputError("MSA_BACKEND", exc.expected, exc.given) from None
         names = self.order()
         if requested is not None and requested not in names:  # named but outside a custom order
             names.append(requested)

@@ -19,7 +19,7 @@ from msa.bench.baselines import flex_attend, torch_gather_attend
 from msa.bench.integrations import INTEGRATIONS
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
-from msa.errors import MSAUnsupportedError
+from msa.errors import MSAInputError, MSAUnsupportedError
 from msa.layouts import cache_nbytes
 from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
@@ -27,9 +27,11 @@ from msa.problem import MINIMAX_M3_TP
 from msa.validation import check_decode_inputs
 from msa.workload import DecodeStep, as_kv_form, indexer_topk, make_decode_step
 
-__all__ = ["BenchConfig", "run_sweep", "step_bytes", "plot"]
+__all__ = ["BenchConfig", "STRATEGIES", "check_config", "run_sweep", "step_bytes", "plot"]
 
 BASELINES: dict[str, Callable[..., Callable[[], torch.Tensor]]] = {"torch": torch_gather_attend, "flex": flex_attend}
+#: The triton backend's strategies a sweep may force ("auto": its own policy).
+STRATEGIES = ("auto", "dedup", "per-token")
 
 
 @attrs.frozen
@@ -58,6 +60,29 @@ class BenchConfig:
     kv_forms: tuple[str, ...] = ("packed",)
     integrations: tuple[str, ...] = ()
     q_dtype: str = "bfloat16"
+
+
+def check_config(config: BenchConfig) -> None:
+    """Every name and number of `config` is one the sweep takes, checked before anything is
+    measured (a typo once ended a sweep in a KeyError after its first cache, or labelled rows
+    with a strategy that was not run).
+
+    Raises:
+        MSAInputError: naming the option (as `msa bench` spells it).
+    """
+    from msa.bench.integrations import INTEGRATIONS
+    from msa.layouts import LAYOUT_NAMES
+    from msa.workload import KV_FORMS
+
+    for flag, given, known in (("--layouts", config.layouts, LAYOUT_NAMES),
+                               ("--strategies", config.strategies, STRATEGIES),
+                               ("--kv-forms", config.kv_forms, KV_FORMS), ("--baselines", config.baselines, BASELINES),
+                               ("--integrations", config.integrations, INTEGRATIONS)):
+        unknown = [name for name in given if name not in known]
+        if unknown:
+            raise MSAInputError(flag, "names among " + ", ".join(known), ", ".join(unknown))
+    if not config.overlaps or any(x is not None and not 0.0 <= x <= 1.0 for x in config.overlaps):
+        raise MSAInputError("--overlap", "fractions in [0, 1] (e.g. 0,0.8)", ", ".join(map(str, config.overlaps)))
 
 
 def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:

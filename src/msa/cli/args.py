@@ -71,14 +71,18 @@ def error_line(prog: str, error: UsageError | MSAError) -> str:
     return f"{prog}: error: {message}"
 
 
+#: Every count and size msa takes fits int32 (lengths, block ids, rows).
+INT32_MAX = 2**31 - 1
+
+
 def positive_int(text: str) -> int:
-    """An integer >= 1."""
+    """An integer in [1, 2^31)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if not 1 <= value <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a positive integer below 2^31, got {text!r}")
     return value
 
 
@@ -99,8 +103,9 @@ def positive_ints(text: str) -> tuple[int, ...]:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, e.g. 1,16,64, got {text!r}")
+    if not values or min(values) < 1 or max(values) > INT32_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of positive integers below 2^31, e.g. 1,16,64, got {text!r}")
     return values
 
 
@@ -129,8 +134,9 @@ def heads(text: str) -> tuple[int, int]:
                 f"ambiguous (write {int(bare[1])}/1 for one KV head)"
             )
         raise argparse.ArgumentTypeError(f"expected Hq/Hkv, two positive integers such as 64/4, got {text!r}")
-    if int(match[1]) < 1 or int(match[2]) < 1:
-        raise argparse.ArgumentTypeError(f"expected Hq/Hkv, two positive integers such as 64/4, got {text!r}")
+    if not (1 <= int(match[1]) <= INT32_MAX and 1 <= int(match[2]) <= INT32_MAX):
+        raise argparse.ArgumentTypeError(
+            f"expected Hq/Hkv, two positive integers below 2^31 such as 64/4, got {text!r}")
     num_q_heads, num_kv_heads = int(match[1]), int(match[2])
     if num_q_heads % num_kv_heads:
         raise argparse.ArgumentTypeError(f"expected Hq/Hkv with Hq a multiple of Hkv, got {text!r}")
@@ -173,6 +179,8 @@ def layout_head_dim(text: str) -> int:
             get_layout(name).allocate(1, 1, 16, value, device="meta")
         except MSAInputError as exc:
             raise argparse.ArgumentTypeError(f"expected {exc.expected}, got {text!r}") from None
+        except (RuntimeError, OverflowError):  # (a size no tensor can have)
+            raise argparse.ArgumentTypeError(f"expected a head dim a cache can hold, got {text!r}") from None
     return value
 
 
@@ -193,7 +201,7 @@ def bench_file(text: str) -> BenchFile:
         raise argparse.ArgumentTypeError(
             f"expected a bench.json written by msa bench, got {text!r}: {exc.strerror}"
         ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise argparse.ArgumentTypeError(
             f"expected a bench.json written by msa bench, got {text!r}: not JSON ({exc})"
         ) from None

@@ -247,6 +247,10 @@ def _check_layout_holds(layout: KVLayout, geometry: Geometry, kv_form: str) -> N
     except MSAInputError as exc:
         flag = _GEOMETRY_FLAGS.get(exc.argument, exc.argument)
         raise MSAInputError(flag, exc.expected, exc.given) from None
+    except (RuntimeError, OverflowError):  # a page no tensor can hold
+        raise MSAInputError("--heads / --page-size / --head-dim", "a page of a size a tensor can have",
+                            f"{geometry.num_kv_heads} KV heads x {geometry.page_size} tokens x D = {geometry.head_dim}",
+                            ) from None
 
 
 def _print_strategy(name: str, policy: SelectionPolicy, problem: DecodeProblem, platform: Platform) -> None:

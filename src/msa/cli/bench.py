@@ -4,6 +4,7 @@ imported by the command, not by its parser."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -52,22 +53,46 @@ def add_parser(subparsers: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _check_out(out: Path, name: str) -> None:
+    """`--out` is a directory (or can become one) where `name` and bench.png can be written:
+    checked before the sweep, not after every measurement."""
+    if out.exists() and not out.is_dir():
+        raise MSAInputError("--out", "a directory for the results (or a path to create one)", f"{str(out)!r}, a file")
+    for made in (name, "bench.png"):
+        if (out / made).is_dir():
+            raise MSAInputError("--out", f"a directory where {made} can be written",
+                                f"{str(out / made)!r}, a directory")
+
+
+def _plot(data: dict[str, object], source: Path) -> None:
+    """Draw `source`'s plot beside it (a .png of the same name), never over it."""
+    from msa.bench.sweep import plot
+
+    target = source.with_suffix(".png")
+    if target.resolve() == source.resolve():
+        raise MSAInputError("--plot", "a bench.json (its plot is written beside it as .png)",
+                            f"{str(source)!r}: the plot would replace it")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MSAInputError("--plot", "matplotlib installed (pip install matplotlib)", "no matplotlib")
+    try:
+        plot(data, target)
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a JSON object, but not msa bench's
+        raise MSAInputError(
+            "--plot", "a bench.json written by msa bench", f"{str(source)!r} ({type(exc).__name__}: {exc})"
+        ) from None
+    except OSError as exc:
+        raise MSAInputError("--plot", f"a plot file that can be written beside it ({str(target)!r})",
+                            exc.strerror or type(exc).__name__) from None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from msa.bench.sweep import BenchConfig, plot, run_sweep, summary_table
+    from msa.bench.sweep import BenchConfig, check_config, run_sweep, summary_table
 
     if args.plot is not None:
-        try:
-            plot(args.plot.data, args.plot.path.with_suffix(".png"))
-        except (KeyError, TypeError, ValueError) as exc:  # a JSON object, but not msa bench's
-            raise MSAInputError(
-                "--plot", "a bench.json written by msa bench", f"{str(args.plot.path)!r} ({type(exc).__name__}: {exc})"
-            ) from None
+        _plot(args.plot.data, args.plot.path)
         return 0
-    if not torch.cuda.is_available():
-        print("msa bench: error: needs a CUDA GPU (try `msa demo` on the CPU)", file=sys.stderr)
-        return 2
     config = BenchConfig(
         layouts=args.layouts, batches=args.batches, query_lens=args.query_lens, tps=args.tp,
         context=args.context, backends=args.backends, baselines=args.baselines,
@@ -75,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
         same_tokens=args.same_tokens, reps=args.reps, overlaps=args.overlap, strategies=args.strategies,
         kv_forms=args.kv_forms, integrations=args.integrations, q_dtype=Q_DTYPES[args.q_dtype],
     )
+    check_config(config)
+    _check_out(args.out, "eager.json" if args.eager else "bench.json")
+    if not torch.cuda.is_available():
+        print("msa bench: error: needs a CUDA GPU (try `msa demo` on the CPU)", file=sys.stderr)
+        return 2
     if args.eager:
         from msa.bench.eager import eager_table, run_eager
 
