@@ -38,3 +38,11 @@ def test_make_decode_step_is_valid_and_runs() -> None:
     assert isinstance(out, torch.Tensor) and torch.isfinite(out).all() and out.abs().sum() > 0
     again = make_decode_step(geometry, batch_size=3, decode_query_len=2, context_len=500, kv_cache_dtype="nvfp4", seed=7)
     assert torch.equal(again.kv_cache, step.kv_cache) and torch.equal(again.q, step.q)
+
+
+def test_a_context_shorter_than_the_query_tokens_gives_a_valid_step() -> None:
+    """Every request holds at least its L new tokens, so the table holds them too (it was sized
+    from the context alone: 32 tokens against a 16-token table, refused by validate=True)."""
+    step = make_decode_step(msa.Geometry(4, 1, 64, 16, 4), batch_size=2, decode_query_len=32, context_len=8, seed=0)
+    assert (step.seq_lens == 32).all() and step.block_table.shape[1] * 16 >= 32
+    msa.sparse_decode(**step.kwargs(), validate=True)

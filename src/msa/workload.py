@@ -172,7 +172,7 @@ def make_decode_step(
     generator.manual_seed(int(torch.randint(2**62, ()).item()) if seed is None else seed)
     g, layout = geometry, get_layout(kv_cache_dtype)
     p, length = g.page_size, decode_query_len
-    max_blocks = max(1, -(-context_len // p))
+    max_blocks = max(1, -(-max(context_len, length) // p))  # (every length is at least L)
     num_pages = batch_size * max_blocks + 1
     jitter = torch.randint(0, p, (batch_size,), generator=generator, device=device)
     seq_lens = (context_len - jitter).clamp(min=length).int()
