@@ -261,8 +261,10 @@ def test_environment_override_acts_as_a_request(policy: SelectionPolicy) -> None
     assert selection.chosen == "cutlass_sm100" and selection.via_environment
     with pytest.raises(MSAUnsupportedError, match=r"backend 'cutlass_sm100' \(from MSA_BACKEND\) cannot run"):
         env.select(problem(), SM90)
-    with pytest.raises(MSAInputError, match="backend: expected 'auto' or one of"):
+    with pytest.raises(MSAInputError, match="^MSA_BACKEND: expected 'auto' or one of .*got 'nope'"):  # (named as set)
         SelectionPolicy(policy.registry, environ={"MSA_BACKEND": "nope"}).evaluate(problem(), SM100)
+    with pytest.raises(MSAInputError, match="^backend: expected 'auto' or one of .*got 'nope'"):
+        SelectionPolicy(policy.registry, environ={}).evaluate(problem(), SM100, "nope")
 
 
 def test_sparse_decode_honours_msa_backend(monkeypatch: pytest.MonkeyPatch) -> None:
