@@ -258,7 +258,7 @@ def test_a_table_keeps_each_row_on_one_line() -> None:
     row (it split the row in `msa backends` / `msa explain`); numbers right-aligned, text left."""
     from msa.display import format_table
 
-    table = format_table(["name", "us"], [["evil\nplugin", 1.5], ["ok", 12.25]])
+    table = format_table(["name", "us"], [["evil\nplugin", 1.5], ["ok\r\u2028", 12.25]])
     lines = table.splitlines()
     assert len(lines) == 4, table  # header, rule, two rows
     assert lines[2].startswith("evil plugin") and lines[2].endswith(" 1.500") and lines[3].endswith("12.250")

@@ -64,7 +64,8 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["bench", "--kv-forms", "paged"], "bench", ("--kv-forms", "packed", "paged")),
     (["bench", "--overlap", "2,-1"], "bench", ("--overlap", "[0, 1]")),
     (["bench", "--overlap", "inf"], "bench", ("--overlap", "[0, 1]")),
-    (["bench", "--overlap", ""], "bench", ("--overlap", "[0, 1]")),
+    (["bench", "--overlap", ""], "bench", ("--overlap", "[0, 1]", "got nothing")),
+    (["bench", "--tp", "1,3"], "bench", ("--tp", "1, 2, 4, 8", "got 3")),
 ]
 
 
@@ -104,6 +105,7 @@ def test_bench_out_that_cannot_hold_the_results(tmp_path: Path, capsys: pytest.C
     afile.write_text("x")
     (tmp_path / "out" / "bench.json").mkdir(parents=True)
     for argv, fragments in ((["--out", str(afile)], ("--out", "a file")),
+                            (["--out", str(afile / "sub")], ("--out", "is a file")),
                             (["--out", str(tmp_path / "out")], ("--out", "a directory"))):
         assert main(["bench", *argv]) == 2
         check_one_line(capsys.readouterr().err, "bench", fragments)
@@ -120,16 +122,16 @@ def test_plot_files_that_cannot_be_read_or_written(tmp_path: Path, capsys: pytes
     assert main(["bench", "--plot", str(deep)]) == 2
     check_one_line(capsys.readouterr().err, "bench", ("argument --plot", str(deep)))
     good = {"rows": [], "copy_gbps": 1.0, "device": "x", "date": "d"}
-    (tmp_path / "taken.json").write_text(json.dumps(good))
-    if importlib.util.find_spec("matplotlib") is None:
-        assert main(["bench", "--plot", str(tmp_path / "taken.json")]) == 2
-        check_one_line(capsys.readouterr().err, "bench", ("--plot", "matplotlib installed"))
-        return
     png = tmp_path / "data.png"
     png.write_text(json.dumps(good))
     assert main(["bench", "--plot", str(png)]) == 2
     check_one_line(capsys.readouterr().err, "bench", ("--plot", "the plot would replace it"))
     assert json.loads(png.read_text()) == good
+    (tmp_path / "taken.json").write_text(json.dumps(good))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert main(["bench", "--plot", str(tmp_path / "taken.json")]) == 2
+        check_one_line(capsys.readouterr().err, "bench", ("--plot", "matplotlib installed"))
+        return
     (tmp_path / "taken.png").mkdir()
     assert main(["bench", "--plot", str(tmp_path / "taken.json")]) == 2
     check_one_line(capsys.readouterr().err, "bench", ("--plot", "can be written"))

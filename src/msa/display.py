@@ -42,7 +42,7 @@ def _cell(value: object) -> str:
         if abs(value) >= 1e4 or abs(value) < 1e-3:
             return f"{value:.2e}"
         return f"{value:.3f}"
-    return " ".join(str(value).split("\n"))  # (a line break inside a cell, e.g. a plugin's text, would split its row)
+    return " ".join(str(value).splitlines())  # (a line break inside a cell, e.g. a plugin's text, would split its row)
 
 
 def _is_number(text: str) -> bool:

@@ -82,7 +82,12 @@ def check_config(config: BenchConfig) -> None:
         if unknown:
             raise MSAInputError(flag, "names among " + ", ".join(known), ", ".join(unknown))
     if not config.overlaps or any(x is not None and not 0.0 <= x <= 1.0 for x in config.overlaps):
-        raise MSAInputError("--overlap", "fractions in [0, 1] (e.g. 0,0.8)", ", ".join(map(str, config.overlaps)))
+        raise MSAInputError("--overlap", "fractions in [0, 1] (e.g. 0,0.8)",
+                            ", ".join(map(str, config.overlaps)) or "nothing")
+    unknown_tp = [tp for tp in config.tps if tp not in MINIMAX_M3_TP]
+    if unknown_tp:
+        raise MSAInputError("--tp", "M3 TP sizes among " + ", ".join(map(str, MINIMAX_M3_TP)),
+                            ", ".join(map(str, unknown_tp)))
 
 
 def step_bytes(kw: dict[str, Any], step: DecodeStep) -> int:

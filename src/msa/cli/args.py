@@ -98,7 +98,7 @@ def seed(text: str) -> int:
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
-    """A comma list of integers >= 1, e.g. 1,16,64."""
+    """A comma list of integers in [1, 2^31), e.g. 1,16,64."""
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:

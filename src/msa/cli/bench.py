@@ -53,12 +53,14 @@ def add_parser(subparsers: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _check_out(out: Path, name: str) -> None:
-    """`--out` is a directory (or can become one) where `name` and bench.png can be written:
-    checked before the sweep, not after every measurement."""
-    if out.exists() and not out.is_dir():
-        raise MSAInputError("--out", "a directory for the results (or a path to create one)", f"{str(out)!r}, a file")
-    for made in (name, "bench.png"):
+def _check_out(out: Path, names: tuple[str, ...]) -> None:
+    """`--out` is a directory (or can become one) where `names` can be written: checked before
+    the sweep, not after every measurement."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise MSAInputError("--out", "a directory for the results (or a path to create one)",
+                            f"{str(out)!r} ({str(existing)!r} is a file)")
+    for made in names:
         if (out / made).is_dir():
             raise MSAInputError("--out", f"a directory where {made} can be written",
                                 f"{str(out / made)!r}, a directory")
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         kv_forms=args.kv_forms, integrations=args.integrations, q_dtype=Q_DTYPES[args.q_dtype],
     )
     check_config(config)
-    _check_out(args.out, "eager.json" if args.eager else "bench.json")
+    _check_out(args.out, ("eager.json",) if args.eager else ("bench.json", "bench.png"))
     if not torch.cuda.is_available():
         print("msa bench: error: needs a CUDA GPU (try `msa demo` on the CPU)", file=sys.stderr)
         return 2
