@@ -12,7 +12,8 @@ group, bf16 / f16 / fp8 queries, natural-log LSE. Two kernels:
   decoded into f16 registers for an exact product; NVFP4: keys and values decoded into f16
   operand registers; bf16 / f16: both products read the ring's stages as stored, the query in
   terms of the cache's type, exact). The default wherever it serves; the only one for bf16 and
-  f16, which `auto` leaves to the Triton backend (not yet timed against it).
+  f16, which `auto` leaves to the Triton backend (within 1-7% of it at B >= 16 on the H200, slower
+  at B = 1: benchmarks/RESULTS.md, session 27).
 
 `auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV
 head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of
@@ -134,7 +135,7 @@ class CuteBackend(Backend[CutePlan]):
 
     name = "cute"
     description = ("CuTe DSL kernels (nvidia-cutlass-dsl; compute capability >= 9.0): fp8 and NVFP4 with TMA + "
-                   "WGMMA on sm_90a (bf16 and f16 too, by name: not yet run on a GPU), fp8 and NVFP4 with mma.sync "
+                   "WGMMA on sm_90a (bf16 and f16 too, by name), fp8 and NVFP4 with mma.sync "
                    "elsewhere")
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),

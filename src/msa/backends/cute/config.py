@@ -517,7 +517,8 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     A 16-bit cache (bf16, f16: read by both products from the ring as stored, 16 KiB a stage's keys)
     takes one warpgroup of 3 stages where its programs fit 2 CTAs an SM, else 2 (3 CTAs an SM),
     and the splits that fill the SMs once (`choose_wgmma_splits`) — a first rule from the ring's
-    shared memory, not yet timed against other shapes.
+    shared memory; at M3 TP1 B = 64 / 256 it measured faster than 2 or 4 stages and two
+    warpgroups (benchmarks/RESULTS.md, session 27).
 
     With `tokens` > 1 rows of a request a program: `_union_shape`."""
     if tokens > 1:
