@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from msa.errors import MSAInputError, check_flag
+from msa.errors import MSAInputError, check_flag, is_int
 from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
 from msa.layouts.base import KVOperands
 from msa.problem import DecodeProblem, Geometry, cache_form
@@ -347,7 +347,7 @@ def check_decode_inputs(
             f"a number of heads divisible by the cache's {shape.num_kv_heads} KV heads",
             f"{num_q_heads} heads",
         )
-    if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool):
+    if not is_int(decode_query_len):
         raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
     if decode_query_len < 1:
         raise MSAInputError("decode_query_len", "an int >= 1", decode_query_len)
@@ -444,7 +444,7 @@ def check_decode_inputs(
 
 
 def _dcp_size(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise MSAInputError("dcp_size", "the ranks each request's pages are spread over (an int >= 1)", repr(value))
     return value
 

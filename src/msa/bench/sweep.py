@@ -20,12 +20,12 @@ from msa.bench.integrations import INTEGRATIONS
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
 from msa.errors import MSAInputError, MSAUnsupportedError
-from msa.layouts import cache_nbytes
+from msa.layouts import LAYOUT_NAMES, cache_nbytes
 from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
 from msa.problem import MINIMAX_M3_TP
 from msa.validation import check_decode_inputs
-from msa.workload import DecodeStep, as_kv_form, indexer_topk, make_decode_step
+from msa.workload import KV_FORMS, DecodeStep, as_kv_form, indexer_topk, make_decode_step
 
 __all__ = ["BenchConfig", "STRATEGIES", "check_config", "run_sweep", "step_bytes", "plot"]
 
@@ -70,10 +70,6 @@ def check_config(config: BenchConfig) -> None:
     Raises:
         MSAInputError: naming the option (as `msa bench` spells it).
     """
-    from msa.bench.integrations import INTEGRATIONS
-    from msa.layouts import LAYOUT_NAMES
-    from msa.workload import KV_FORMS
-
     for flag, given, known in (("--layouts", config.layouts, LAYOUT_NAMES),
                                ("--strategies", config.strategies, STRATEGIES),
                                ("--kv-forms", config.kv_forms, KV_FORMS), ("--baselines", config.baselines, BASELINES),

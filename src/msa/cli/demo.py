@@ -135,8 +135,8 @@ def _check_step(
     max_blocks = max(1, -(-args.context // geometry.page_size))  # as msa.workload.make_decode_step
     num_pages = args.batch * max_blocks + 1
     room = _memory_bytes(device)
+    tokens = num_pages * geometry.page_size * geometry.num_kv_heads  # (one KV head's token slots)
     for name in layouts:
-        tokens = num_pages * geometry.page_size * geometry.num_kv_heads
         need = tokens * get_layout(name).bytes_per_token(geometry.head_dim)
         if need > room // 2:
             raise MSAInputError("--batch / --context", f"a step whose {name} cache fits in half of this "

@@ -12,7 +12,7 @@ from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
 from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import GroupInfo, ProcessGroup, group_info
-from msa.errors import MSAInputError, check_flag
+from msa.errors import MSAInputError, check_flag, is_int
 from msa.layouts import KVCache
 from msa.validation import check_decode_inputs, output_dtype, validation_requested
 
@@ -148,7 +148,7 @@ def _facts(q: object, block_table: object, seq_lens: object, decode_query_len: o
             Fact("block_table", "row count B", batch),
             Fact("block_table", "width max_blocks (validate compares the tables block by block)", width),
             Fact("decode_query_len", "decode_query_len",
-                 decode_query_len if isinstance(decode_query_len, int) and not isinstance(decode_query_len, bool)
+                 decode_query_len if is_int(decode_query_len)
                  else -1),
             Fact("query_start_loc", "presence of query_start_loc", int(query_start_loc is not None)),
         ]

@@ -28,7 +28,7 @@ from typing import overload
 
 import torch
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, is_int
 from msa.layouts import KVCache, KVLayout, get_layout
 
 __all__ = [
@@ -44,7 +44,7 @@ Rotation = int | torch.Tensor | None
 
 
 def _positive_int(argument: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise MSAInputError(argument, "an int >= 1", repr(value))
     return value
 
@@ -52,7 +52,7 @@ def _positive_int(argument: str, value: object) -> int:
 def _check_rank(rank: object, world_size: object, interleave: object) -> tuple[int, int, int]:
     w = _positive_int("world_size", world_size)
     i = _positive_int("interleave", interleave)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < w:
+    if not is_int(rank) or not 0 <= rank < w:
         raise MSAInputError("rank", f"an int in [0, {w}) (world_size={w})", repr(rank))
     return rank, w, i
 

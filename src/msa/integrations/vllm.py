@@ -44,13 +44,12 @@ import torch
 
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError
-from msa.layouts import UNREAD_FP8
+from msa.layouts import refuse_unread_fp8
 
 __all__ = ["minimax_m3_sparse_attn_decode", "RAGGED_MAX_QUERY_LEN"]
 
 #: The query tokens per request msa serves in a ragged step (the Triton kernels' limit).
 RAGGED_MAX_QUERY_LEN = 32
-
 
 
 def _scales(
@@ -100,8 +99,7 @@ def minimax_m3_sparse_attn_decode(
         raise MSAInputError("kv_cache", "a torch.Tensor [num_blocks, Hkv, 128, 2D]", type(kv_cache).__name__)
     if kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * q.shape[-1]:
         kv_cache = kv_cache.view(torch.float8_e4m3fn)  # vLLM keeps fp8 caches in uint8 storage
-    if kv_cache.dtype in UNREAD_FP8:
-        raise MSAUnsupportedError(f"kv_cache: msa reads fp8 caches in float8_e4m3fn, not {kv_cache.dtype}")
+    refuse_unread_fp8("kv_cache", kv_cache)
     if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads:
         raise MSAInputError(
             "num_kv_heads", f"the KV heads of kv_cache [num_blocks, Hkv, 128, 2D] (shape {tuple(kv_cache.shape)})",

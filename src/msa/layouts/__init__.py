@@ -44,6 +44,7 @@ __all__ = [
     "NVFP4",
     "LAYOUT_NAMES",
     "UNREAD_FP8",
+    "refuse_unread_fp8",
     "get_layout",
     "layout_for_cache",
 ]

@@ -9,7 +9,7 @@ from typing import Literal, overload
 import attrs
 import torch
 
-from msa.errors import MSAInputError, MSAUnsupportedError, check_flag
+from msa.errors import MSAInputError, MSAUnsupportedError, check_flag, is_int
 from msa.launcher import unit_stride
 from msa.platform import resolve_device, triton_available
 from msa.scales import Scale, check_scale, check_scale_value
@@ -245,7 +245,7 @@ class KVLayout(abc.ABC):
             ("page_size", page_size),
             ("head_dim", head_dim),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise MSAInputError(argument, "a positive int", repr(value))
         self._check_geometry(page_size, head_dim)
         check_flag("separate", separate)

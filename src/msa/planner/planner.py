@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from msa.backends.base import AnyBackend
-from msa.errors import MSAInputError, check_flag
+from msa.errors import MSAInputError, check_flag, is_int
 from msa.layouts import KVCache, get_layout
 from msa.planner.guard import OneThreadGuard
 from msa.planner.plans import DecodePlan, PlanBook, PlanKey, StepShape
@@ -95,7 +95,7 @@ class DecodePlanner:
         self.kv_form = kv_form
         self.graph_capture = graph_capture
         self.vector_aligned = vector_aligned
-        if not isinstance(dcp_size, int) or isinstance(dcp_size, bool) or dcp_size < 1:
+        if not is_int(dcp_size) or dcp_size < 1:
             raise MSAInputError("dcp_size", "the ranks each request's pages are spread over (an int >= 1)",
                                 repr(dcp_size))
         self.dcp_size = dcp_size

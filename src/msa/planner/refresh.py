@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, is_int
 from msa.planner.plans import DecodePlan
 from msa.validation import check_int32, check_tensor
 
@@ -26,7 +26,7 @@ def check_tables(
         raise MSAInputError("block_table", expected, tuple(table.shape))
     if table.stride(-1) != 1:
         raise MSAInputError("block_table", "unit stride in the last dimension", table.stride())
-    if not isinstance(decode_query_len, int) or isinstance(decode_query_len, bool) or decode_query_len < 1:
+    if not is_int(decode_query_len) or decode_query_len < 1:
         raise MSAInputError("decode_query_len", "an int >= 1", repr(decode_query_len))
     return table, lens
 
@@ -54,7 +54,7 @@ def check_ragged(query_start_loc: object, num_rows: object, batch: int, device: 
     check_int32("query_start_loc", starts, "[B+1]", 1)
     if starts.shape[0] != batch + 1:
         raise MSAInputError("query_start_loc", f"{batch + 1} entries (B+1, B from seq_lens)", starts.shape[0])
-    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 0:
+    if not is_int(num_rows) or num_rows < 0:
         raise MSAInputError("num_rows", "the rows of q (an int >= 0) for a ragged step", repr(num_rows))
     return num_rows
 

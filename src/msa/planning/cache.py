@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from msa.errors import MSAInputError
+from msa.errors import MSAInputError, is_int
 
 __all__ = ["PlanCache"]
 
@@ -36,7 +36,7 @@ class PlanCache(Generic[K, V]):
     """
 
     def __init__(self, max_plans: int = 128) -> None:
-        if not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1:
+        if not is_int(max_plans) or max_plans < 1:
             raise MSAInputError("max_plans", "an int >= 1", repr(max_plans))
         self.max_plans = max_plans
         self._plans: OrderedDict[K, V] = OrderedDict()

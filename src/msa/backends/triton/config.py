@@ -186,6 +186,10 @@ def _flag(value: object) -> bool:
     return isinstance(value, bool)
 
 
+def _at_least(low: int) -> Callable[[object], bool]:
+    return lambda value: is_int(value) and value >= low
+
+
 def _power_of_two(low: int, high: int) -> Callable[[object], bool]:
     return lambda value: is_int(value) and low <= value <= high and value & (value - 1) == 0
 
@@ -197,10 +201,10 @@ COMPUTE = ("fp16", "bf16")
 #: test, whether None — the heuristic's choice — is one).
 OVERRIDES: dict[str, tuple[str, Callable[[object], bool], bool]] = {
     "dedup": ("a bool", _flag, True),
-    "num_splits": ("an int >= 1", lambda value: is_int(value) and value >= 1, True),
+    "num_splits": ("an int >= 1", _at_least(1), True),
     "block_n": ("a power of two >= 16 (tokens a tile)", _power_of_two(16, 1 << 30), True),
     "num_warps": ("a power of two from 1 to 32", _power_of_two(1, 32), True),
-    "num_stages": ("an int >= 1", lambda value: is_int(value) and value >= 1, True),
+    "num_stages": ("an int >= 1", _at_least(1), True),
     "compute": (" or ".join(map(repr, COMPUTE)), lambda value: value in COMPUTE, True),
     "in_kernel_merge": ("a bool", _flag, True),
     "decode_asm": ("a bool", _flag, False),
