@@ -10,6 +10,7 @@ points, then runs the `msa bench` command line.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -31,6 +32,5 @@ if __name__ == "__main__":
     if not load.available():
         sys.exit(f"bench_engines: the engines' files are missing ({', '.join(load.missing())}): run prepare.sh")
     INTEGRATIONS.update(ENGINE_CALLS)
-    original = eager.eager_calls
-    eager.eager_calls = lambda kw: {**original(kw), **_with_engines(kw)}
+    eager.run_eager = functools.partial(eager.run_eager, extra=_with_engines)  # (the engines' rows: "engine")
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -52,7 +52,7 @@ def main() -> None:
             step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, context_len=args.context, kv_cache_dtype=layout,
                                     device="cuda", seed=batch)
             kw = step.kwargs()
-            calls = eager_calls(kw)
+            _, calls = eager_calls(kw)
             entries: dict[str, Callable[[], object]] = {"vllm drop-in": calls["vllm drop-in"],
                                                         "sglang drop-in": calls["sglang drop-in"]}
             # the first layer of a step: two steps' tensors, alternated, so each call's are new

@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_step_arguments(parser, tp=1, batch=64)
     args = parser.parse_args()
-    _, problem, inputs, tables = make_m3_step(args)
+    _, problem, inputs, tables, _ = make_m3_step(args)
     backend = CuteBackend(**json.loads(args.variant))
     plan = backend.plan(problem, tables)
     out = torch.empty(inputs.q.shape, dtype=problem.out_dtype, device="cuda")

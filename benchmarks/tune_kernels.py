@@ -64,7 +64,7 @@ def prepare_case(step: Any, batch: int, gen: torch.Generator, query_len: int = 1
     if ascending:
         ascending_topk(kw["topk_indices"])
     problem, inputs = check_decode_inputs(**kw)
-    out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device="cuda")
     return (step_bytes(kw, step), msa.sparse_decode(**kw, backend="reference"), problem, inputs,
             StepTables.for_inputs(problem, inputs), out)
 

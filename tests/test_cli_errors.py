@@ -66,6 +66,12 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["bench", "--overlap", "inf"], "bench", ("--overlap", "[0, 1]")),
     (["bench", "--overlap", ""], "bench", ("--overlap", "[0, 1]", "got nothing")),
     (["bench", "--tp", "1,3"], "bench", ("--tp", "1, 2, 4, 8", "got 3")),
+    (["bench", "--backends", "triton,tritn"], "bench", ("--backends", "auto, ", "reference", "got tritn")),
+    # --eager times msa's entry points with backend "auto": the graph sweep's flags are refused
+    (["bench", "--eager", "--backends", "cute"], "bench", ("--backends", "with --eager", "cute")),
+    (["bench", "--eager", "--strategies", "dedup"], "bench", ("--strategies", "with --eager", "dedup")),
+    (["bench", "--eager", "--same-tokens"], "bench", ("--same-tokens", "with --eager", "True")),
+    (["bench", "--eager", "--baselines", ""], "bench", ("--baselines", "with --eager")),
 ]
 
 

@@ -68,10 +68,11 @@ def count_launches(call: Callable[[], object]) -> int:
     return count[0]
 
 
-def eager_calls(kw: dict[str, Any]) -> dict[str, Callable[[], object]]:
-    """The eager entry points on one step (msa's packed cache): `DecodePlanner.run` of a planned
-    step, `msa.sparse_decode` as every layer after the first of a step calls it (same metadata),
-    and the engines' drop-ins (`msa.integrations`) on the same data."""
+def eager_calls(kw: dict[str, Any]) -> tuple[str, dict[str, Callable[[], object]]]:
+    """The backend `auto` chose for one step (msa's packed cache), and the eager entry points on
+    it: `DecodePlanner.run` of a planned step, `msa.sparse_decode` as every layer after the first
+    of a step calls it (same metadata), and the engines' drop-ins (`msa.integrations`) on the same
+    data."""
     q = kw["q"]
     problem, _ = check_decode_inputs(**kw)
     out = torch.empty(q.shape, dtype=problem.out_dtype, device=q.device)
@@ -98,7 +99,7 @@ def eager_calls(kw: dict[str, Any]) -> dict[str, Callable[[], object]]:
         sglang = sglang_call(kw, problem.layout)  # one query token per row only
         if sglang is not None:
             calls["sglang drop-in"] = sglang
-    return calls
+    return plan.backend.name, calls
 
 
 def wall_us(call: Callable[[], object], reps: int = 200) -> float:
@@ -118,16 +119,18 @@ def eager_rows(
     log: Any = sys.stderr,
 ) -> list[dict[str, Any]]:
     """One row per entry point: launches, host us/call, the target, wall us/call (back to back),
-    and the GPU time of one call (L2 flushed)."""
+    and the GPU time of one call (L2 flushed); `backend`: the one `auto` chose for msa's entry
+    points (the engines' own kernels: "engine")."""
     rows = []
-    for name, call in {**eager_calls(kw), **(extra or {})}.items():
+    chosen, calls = eager_calls(kw)
+    for name, call in {**calls, **(extra or {})}.items():
         launches = count_launches(call)
         host = host_us(call)
         wall = wall_us(call)
         gpu = timer.eager(call)
         budget = launches * empty_us + EAGER_TARGET_SLACK_US
-        rows.append(dict(entry=name, launches=launches, host_us=host, budget_us=budget, wall_us=wall,
-                         gpu_us=gpu, within_budget=host <= budget))
+        rows.append(dict(entry=name, backend=chosen if name in calls else "engine", launches=launches,
+                         host_us=host, budget_us=budget, wall_us=wall, gpu_us=gpu, within_budget=host <= budget))
         print(f"    {name:24s} launches {launches}  host {host:7.1f} us (budget {budget:6.1f})  "
               f"wall {wall:7.1f} us  gpu {gpu:7.1f} us", file=log, flush=True)
     return rows
@@ -139,9 +142,11 @@ def run_eager(
     extra: Callable[[dict[str, Any]], dict[str, Callable[[], object]]] | None = None,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
-    """The eager sweep over `config`'s layouts, TP head layouts, batches and query lengths (a
-    `msa.bench.sweep.BenchConfig`); `extra(kw)` may add other entry points on each step (e.g. the
-    engines' own kernels). Writes `eager.json` under `out_dir`."""
+    """The eager sweep over `config`'s layouts, TP head layouts, batches, query lengths and page
+    overlaps (a `msa.bench.sweep.BenchConfig`; its backends, strategies, cache forms, baselines
+    and integrations are the graph sweep's: `msa bench --eager` refuses them), msa's entry points
+    with `backend="auto"`; `extra(kw)` may add other entry points on each step (e.g. the engines'
+    own kernels). Writes `eager.json` under `out_dir`."""
     import datetime
     import itertools
     import json
@@ -162,11 +167,11 @@ def run_eager(
         step = make_decode_step(MINIMAX_M3_TP[tp], batch_size=max(config.batches), context_len=config.context,
                                 kv_cache_dtype=layout, q_dtype=getattr(torch, config.q_dtype), device="cuda",
                                 seed=config.seed)
-        for batch, length in itertools.product(config.batches, config.query_lens):
-            kw = _case(step, batch, length, generator)
-            print(f"  {layout} TP{tp} B={batch} L={length}", file=log, flush=True)
+        for batch, length, overlap in itertools.product(config.batches, config.query_lens, config.overlaps):
+            kw = _case(step, batch, length, generator, overlap)
+            print(f"  {layout} TP{tp} B={batch} L={length} overlap {overlap}", file=log, flush=True)
             for row in eager_rows(kw, timer, empty, extra(kw) if extra is not None else None, log):
-                rows.append(dict(row, layout=layout, tp=tp, batch=batch, query_len=length))
+                rows.append(dict(row, layout=layout, tp=tp, batch=batch, query_len=length, overlap=overlap))
         del step
         torch.cuda.empty_cache()
     result = {
@@ -183,8 +188,10 @@ def eager_table(result: dict[str, Any]) -> str:
     from msa.display import format_table
 
     return format_table(
-        ["layout", "TP", "B", "L", "entry point", "launches", "host us", "budget us", "within", "wall us", "gpu us"],
-        [[r["layout"], r["tp"], r["batch"], r["query_len"], r["entry"], r["launches"], round(r["host_us"], 1),
+        ["layout", "TP", "B", "L", "overlap", "entry point", "backend", "launches", "host us", "budget us", "within",
+         "wall us", "gpu us"],
+        [[r["layout"], r["tp"], r["batch"], r["query_len"], "-" if r.get("overlap") is None else r["overlap"],
+          r["entry"], r.get("backend", "-"), r["launches"], round(r["host_us"], 1),
           round(r["budget_us"], 1), "yes" if r["within_budget"] else "no", round(r["wall_us"], 1),
           round(r["gpu_us"], 1)] for r in result["rows"]],
     )

@@ -24,6 +24,7 @@ from msa.layouts import LAYOUT_NAMES, cache_nbytes
 from msa.planner import DecodePlanner
 from msa.planning import StepTables, resolve_entries
 from msa.problem import MINIMAX_M3_TP
+from msa.registry import get_registry
 from msa.validation import check_decode_inputs
 from msa.workload import KV_FORMS, DecodeStep, as_kv_form, indexer_topk, make_decode_step
 
@@ -80,6 +81,13 @@ def check_config(config: BenchConfig) -> None:
     if not config.overlaps or any(x is not None and not 0.0 <= x <= 1.0 for x in config.overlaps):
         raise MSAInputError("--overlap", "fractions in [0, 1] (e.g. 0,0.8)",
                             ", ".join(map(str, config.overlaps)) or "nothing")
+    for name in config.backends:
+        if name != "auto":
+            try:
+                get_registry().resolve(name)
+            except MSAInputError as exc:
+                raise MSAInputError("--backends", f"names among auto, {', '.join(get_registry().names())}",
+                                    name) from exc
     unknown_tp = [tp for tp in config.tps if tp not in MINIMAX_M3_TP]
     if unknown_tp:
         raise MSAInputError("--tp", "M3 TP sizes among " + ", ".join(map(str, MINIMAX_M3_TP)),
@@ -205,6 +213,8 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                 kw["kv_cache"] = as_kv_form(step.layout, step.kv_cache, form)
                 n_bytes = step_bytes(kw, step)
                 n_unique, realized = unique_bytes(kw, step)
+                shape = StepShape(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length,
+                                  n_bytes, n_unique, overlap, realized, copy_gbps)
                 ref_out = _reference(kw)
                 runs = [(name, "auto") for name in config.backends if name != "triton" or "auto" in config.strategies]
                 if "triton" in config.backends:
@@ -220,12 +230,7 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                         times, out = _time_strategy(strategy, kw, timer, config.graph)
                     err = (out.float() - ref_out.float()).abs().max().item()
                     for mode, micros in times.items():
-                        row = _row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, name,
-                                   mode, micros, n_bytes, copy_gbps, err)
-                        row.update(strategy=strategy, overlap=overlap, realized_overlap=realized, kv_form=form,
-                                   unique_bytes=n_unique, unique_gbps=n_unique / micros / 1e3,
-                                   unique_frac_copy=n_unique / micros / 1e3 / copy_gbps)
-                        rows.append(row)
+                        rows.append(shape.row(name, mode, micros, err, strategy=strategy, kv_form=form))
                         _print(rows[-1], log)
                 for name in config.integrations if form == "packed" else ():
                     call = INTEGRATIONS[name](kw, step.layout)
@@ -234,9 +239,7 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                     times = _eager_and_graph(call, timer, config.graph)
                     err = (call().float() - ref_out.float()).abs().max().item()
                     for mode, micros in times.items():
-                        rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length,
-                                         name, mode, micros, n_bytes, copy_gbps, err))
-                        rows[-1].update(kv_form=name)
+                        rows.append(shape.row(name, mode, micros, err, kv_form=name))
                         _print(rows[-1], log)
                 for base in config.baselines:
                     if batch > config.baseline_max_batch:
@@ -248,8 +251,7 @@ def run_sweep(config: BenchConfig, out_dir: Path | None = None, log: Any = sys.s
                     except Exception as exc:  # e.g. FlexAttention that does not compile here
                         print(f"  {base}: unavailable ({type(exc).__name__}: {str(exc)[:160]})", file=log, flush=True)
                         continue
-                    rows.append(_row(layout, tp, geometry.num_q_heads, geometry.num_kv_heads, requests, length, base,
-                                     "eager", micros, n_bytes, copy_gbps, err))
+                    rows.append(shape.row(base, "eager", micros, err))
                     _print(rows[-1], log)
         del step
         torch.cuda.empty_cache()
@@ -276,18 +278,39 @@ def _reference(kw: dict[str, Any]) -> torch.Tensor:
     return out
 
 
-def _row(layout: str, tp: int, hq: int, hkv: int, batch: int, length: int, backend: str, mode: str,
-         micros: float, n_bytes: int, copy_gbps: float, err: float) -> dict[str, Any]:
-    gbps = n_bytes / micros / 1e3
-    return dict(layout=layout, tp=tp, heads=f"{hq}/{hkv}", batch=batch, query_len=length, backend=backend,
-                mode=mode, us=micros, bytes=n_bytes, gbps=gbps, frac_copy=gbps / copy_gbps,
-                us_per_token=micros / (batch * length), max_err=err)
+@attrs.frozen
+class StepShape:
+    """What every row timed on one step shares: its case, its bytes (each token's selected pages,
+    `step_bytes`, and each request's pages once, `unique_bytes`), the asked and the realized page
+    overlap, and the run's copy bandwidth."""
+
+    layout: str
+    tp: int
+    hq: int
+    hkv: int
+    batch: int
+    length: int
+    n_bytes: int
+    n_unique: int
+    overlap: float | None
+    realized: float
+    copy_gbps: float
+
+    def row(self, backend: str, mode: str, micros: float, err: float, **extra: Any) -> dict[str, Any]:
+        """One measurement's row (any timed thing: a backend, an engine's kernel, a baseline)."""
+        gbps, unique_gbps = self.n_bytes / micros / 1e3, self.n_unique / micros / 1e3
+        return dict(layout=self.layout, tp=self.tp, heads=f"{self.hq}/{self.hkv}", batch=self.batch,
+                    query_len=self.length, backend=backend, mode=mode, us=micros, bytes=self.n_bytes, gbps=gbps,
+                    frac_copy=gbps / self.copy_gbps, us_per_token=micros / (self.batch * self.length), max_err=err,
+                    overlap=self.overlap, realized_overlap=self.realized, unique_bytes=self.n_unique,
+                    unique_gbps=unique_gbps, unique_frac_copy=unique_gbps / self.copy_gbps, **extra)
 
 
 def _print(row: dict[str, Any], log: Any) -> None:
     extra = ""
     if "unique_gbps" in row and row["query_len"] > 1:
-        extra = (f" [{row['strategy']}, overlap {row['realized_overlap']:.2f}, unique {row['unique_gbps']:.0f} GB/s "
+        extra = (f" [{row.get('strategy', '-')}, overlap {row['realized_overlap']:.2f}, "
+                 f"unique {row['unique_gbps']:.0f} GB/s "
                  f"{row['unique_frac_copy']:.2f}]")
     print(f"  {row['layout']:9s} {row['heads']:5s} B={row['batch']:4d} L={row['query_len']:2d} {row['backend']:9s} "
           f"{row.get('kv_form', 'packed'):8s} "
@@ -313,7 +336,9 @@ def summary_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
-    """Bandwidth against batch size, one line per (layout, heads, L, backend, mode)."""
+    """Bandwidth of each request's selected pages read once (`unique_bytes`; at L = 1 every
+    token's) against query tokens a step, one line per (layout, heads, L, backend, kv form, mode,
+    strategy, page overlap)."""
     try:
         matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
@@ -324,16 +349,18 @@ def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     lines: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
     for r in result["rows"]:
-        key = (r["layout"], r["heads"], r["query_len"], r["backend"], r.get("kv_form", "packed"), r["mode"])
-        lines.setdefault(key, []).append((r["batch"] * r["query_len"], r["gbps"]))
-    for (layout, heads, length, backend, form, mode), points in sorted(lines.items()):
+        key = (r["layout"], r["heads"], r["query_len"], r["backend"], r.get("kv_form", "packed"), r["mode"],
+               r.get("strategy") or "-", -1.0 if r.get("overlap") is None else r["overlap"])
+        lines.setdefault(key, []).append((r["batch"] * r["query_len"], r.get("unique_gbps", r["gbps"])))
+    for (layout, heads, length, backend, form, mode, strategy, overlap), points in sorted(lines.items()):
         points.sort()
+        shared = "" if length == 1 else f" {strategy}" + ("" if overlap < 0 else f" overlap {overlap:g}")
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"{backend} {mode} {layout} {form} {heads} L={length}")
+                label=f"{backend} {mode} {layout} {form} {heads} L={length}{shared}")
     ax.axhline(result["copy_gbps"], color="black", linestyle="--", label="device copy (read+write)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("query tokens per step (B x L)")
-    ax.set_ylabel("GB/s (visible selected K+V, q, out)")
+    ax.set_ylabel("GB/s (a request's visible selected K+V once, q, out)")
     ax.set_title(f"msa sparse decode, {result['device']}, {result['date']}")
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)

@@ -15,6 +15,12 @@ from msa.errors import MSAInputError
 __all__ = ["add_parser", "run"]
 
 
+#: The defaults of the graph sweep's own flags (`--eager` takes none of them).
+SWEEP_ONLY: dict[str, object] = {"same_tokens": False, "strategies": ("auto",), "kv_forms": ("packed",),
+                                 "integrations": (), "backends": ("triton",), "baselines": ("torch",),
+                                 "no_graph": False}
+
+
 def add_parser(subparsers: Subparsers) -> None:
     p = subparsers.add_parser("bench", help="time the backends on this GPU (L2 flushed, eager and graph replay)")
     p.add_argument("--layouts", type=names, default=("bfloat16", "fp8_e4m3", "nvfp4"),
@@ -27,19 +33,19 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="for L > 1 run B // L requests: as many query tokens as L = 1 at batch B")
     p.add_argument("--overlap", type=floats, default=(None,),
                    help="page overlap between consecutive tokens of a request, e.g. 0,0.8 (default: independent)")
-    p.add_argument("--strategies", type=names, default=("auto",),
+    p.add_argument("--strategies", type=names, default=SWEEP_ONLY["strategies"],
                    help="for the triton backend: auto, dedup, per-token (comma list)")
-    p.add_argument("--kv-forms", type=names, default=("packed",),
+    p.add_argument("--kv-forms", type=names, default=SWEEP_ONLY["kv_forms"],
                    help="cache forms to time on the same data: packed, separate, sglang (split layouts)")
-    p.add_argument("--integrations", type=names, default=(),
+    p.add_argument("--integrations", type=names, default=SWEEP_ONLY["integrations"],
                    help="engine drop-ins to time as well: sglang-dropin (comma list)")
     p.add_argument("--tp", type=positive_ints, default=(1,), help="M3 TP head layouts, e.g. 1,2,4")
     p.add_argument("--context", type=positive_int, default=65536, help="tokens per request (default 65536)")
     p.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16",
                    help="query dtype (default %(default)s; fp8: e4m3, the kernels' fp8 product)")
-    p.add_argument("--backends", type=names, default=("triton",),
+    p.add_argument("--backends", type=names, default=SWEEP_ONLY["backends"],
                    help="msa backends to time (comma list; default: triton)")
-    p.add_argument("--baselines", type=names, default=("torch",),
+    p.add_argument("--baselines", type=names, default=SWEEP_ONLY["baselines"],
                    help="baselines to time beside msa: torch, flex (comma list, or empty; default: torch)")
     p.add_argument("--baseline-max-batch", type=positive_int, default=64,
                    help="largest B at which the baselines run (default 64)")
@@ -87,6 +93,16 @@ def _plot(data: dict[str, object], source: Path) -> None:
                             exc.strerror or type(exc).__name__) from None
 
 
+def _check_eager(args: argparse.Namespace) -> None:
+    """`--eager` times msa's entry points with backend "auto" (and what they launch): the graph
+    sweep's own flags are refused with it, not ignored."""
+    for attr, default in SWEEP_ONLY.items():
+        if getattr(args, attr) != default:
+            flag = "--" + attr.replace("_", "-")
+            raise MSAInputError(flag, "its default with --eager (which times msa's entry points with backend "
+                                "'auto': drop it, or leave out --eager)", str(getattr(args, attr)))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -103,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         kv_forms=args.kv_forms, integrations=args.integrations, q_dtype=Q_DTYPES[args.q_dtype],
     )
     check_config(config)
+    if args.eager:
+        _check_eager(args)
     _check_out(args.out, ("eager.json",) if args.eager else ("bench.json", "bench.png"))
     if not torch.cuda.is_available():
         print("msa bench: error: needs a CUDA GPU (try `msa demo` on the CPU)", file=sys.stderr)
