@@ -473,3 +473,27 @@ def test_plan_repr_is_short_and_query_len_defaults_to_one() -> None:
     assert plan.problem.query_len == 1
     text = repr(plan)
     assert len(text) < 200 and "B=3, L=1" in text and "backend reference" in text, text
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(("q_dtype", "layout"), [(torch.bfloat16, "float16"), (torch.float16, "bfloat16")])
+def test_a_plan_refuses_a_cache_of_the_other_16_bit_layout(backend: str, q_dtype: torch.dtype, layout: str) -> None:
+    """A planner of kv_cache_dtype 'auto' plans for the output dtype's layout (bf16 q: bfloat16);
+    a cache of the other 16-bit layout run on that plan is refused by name (a backend's kernels
+    were chosen and built for the planned layout: the wgmma kernel read f16 bytes as bf16), and a
+    planner given the cache's layout runs it."""
+    planned = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q_dtype]
+    kw = _step(layout=layout).kwargs()
+    kw["q"] = kw["q"].to(q_dtype)
+    planner = _planner(kv_cache_dtype="auto", backend=backend, q_dtype=q_dtype)
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2)
+    out = torch.empty(kw["q"].shape, dtype=q_dtype)
+    with pytest.raises(MSAInputError, match=rf"^kv_cache: expected a {planned} cache, as planned, got a {layout} "
+                                            r"cache\. Give DecodePlanner the cache's layout"):
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out)
+    exact = _planner(kv_cache_dtype=layout, backend=backend, q_dtype=q_dtype)
+    exact.run(exact.plan(kw["block_table"], kw["seq_lens"], decode_query_len=2), kw["q"], kw["kv_cache"],
+              kw["topk_indices"], out=out)
+    ref = msa.sparse_decode(**kw, backend="reference")
+    assert isinstance(ref, torch.Tensor)
+    torch.testing.assert_close(out.float(), ref.float(), atol=8e-3, rtol=0)  # (Triton: fp32 sums in its own order)

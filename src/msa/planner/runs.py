@@ -30,8 +30,9 @@ MAX_REMEMBERED_RUNS = 32
 
 
 def check_against_plan(problem: DecodeProblem, plan: DecodePlan) -> None:
-    """The step's shape is the plan's: geometry, q dtype, batch, query length and rows (a ragged
-    plan is sized for its `num_rows`), and an LSE only from a backend that returns one."""
+    """The step's shape is the plan's: geometry, q dtype, cache layout, batch, query length and
+    rows (a ragged plan is sized for its `num_rows`), and an LSE only from a backend that returns
+    one."""
     planned = plan.problem
     if problem.geometry != planned.geometry:
         raise MSAInputError(
@@ -40,6 +41,11 @@ def check_against_plan(problem: DecodeProblem, plan: DecodePlan) -> None:
         )
     if problem.q_dtype != planned.q_dtype:
         raise MSAInputError("q", f"dtype {planned.q_dtype} (the planner's q_dtype)", problem.q_dtype)
+    if problem.kv_layout != planned.kv_layout:  # (a backend's kernels were chosen and built for the plan's)
+        raise MSAInputError(
+            "kv_cache", f"a {planned.kv_layout} cache, as planned", f"a {problem.kv_layout} cache",
+            "Give DecodePlanner the cache's layout as kv_cache_dtype ('auto' plans for the output dtype's).",
+        )
     if problem.num_rows != planned.num_rows:
         how = f"num_rows={planned.num_rows} given to plan()" if planned.ragged else (
             f"B*L = {planned.batch_size}*{planned.query_len}")
