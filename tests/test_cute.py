@@ -1446,3 +1446,22 @@ def test_wgmma_registers_reports_the_main_loop_and_serialised_products() -> None
     (_, _, regs0, _, _, serial0, loop0), (_, _, regs3, _, _, serial3, _) = rows
     assert int(serial0) == 0 and int(serial3) >= 1 and int(regs3) <= 85 < int(regs0), run.stdout
     assert "HGMMA 16" in mixes[0] and 250 < int(loop0) < 800, run.stdout
+
+
+@pytest.mark.parametrize(("option", "refused", "taken"), [
+    ("tokens", 4, 1), ("wgs", 2, 1), ("lag", True, False), ("tconv", True, False), ("vreg", False, True),
+    ("kreg", False, True)])
+def test_the_mma_kernel_refuses_the_wgmma_kernels_options_instead_of_dropping_them(option: str, refused: Any,
+                                                                                     taken: Any) -> None:
+    """A step the mma kernel takes (pages of 32 tokens: not the wgmma kernel's) refuses, by name, an
+    option only the wgmma kernel reads (it was silently dropped: `kreg=False` asked for the fp8
+    product and got the f16 one, `tokens=4` walked a row a program), and takes the value that is
+    what the mma kernel does; the wgmma kernel refuses the mma kernel's `qk_chains`."""
+    small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
+    problem = _problem(64, geometry=small_pages)
+    with pytest.raises(MSAInputError, match=rf"^{option}: expected {taken!r} \(or None\) on the mma kernel"):
+        CuteBackend(**{option: refused}).config_on(problem, _hopper())
+    assert CuteBackend(**{option: taken}).config_on(problem, _hopper()).kernel == "mma"
+    with pytest.raises(MSAInputError, match=r"^qk_chains: expected 1 \(or None\) on the wgmma kernel"):
+        CuteBackend(qk_chains=4).config_on(_problem(64), _hopper())
+    assert CuteBackend(qk_chains=4).config_on(problem, _hopper()).qk_chains == 4

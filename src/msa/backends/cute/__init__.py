@@ -248,6 +248,8 @@ class CuteBackend(Backend[CutePlan]):
         """`config_for` on a described platform (its SM count and compute capability)."""
         sm_count = platform.sm_count
         if self.kernel_for(problem, platform) == "wgmma":
+            _check_option("qk_chains", self.qk_chains, "1 (or None) on the wgmma kernel (its scores are one "
+                          "product chain; kernel='mma' takes 2 or 4)", self.qk_chains == 1)
             tokens = WGMMA_DEFAULT_TOKENS if self.tokens is None else self.tokens
             why = wgmma_tokens_serve(problem, tokens)
             _check_option("tokens", tokens, f"rows a wgmma program can take together ({why})", why is None)
@@ -287,6 +289,13 @@ class CuteBackend(Backend[CutePlan]):
         for name, value in (("fused", self.fused), ("cluster", self.cluster)):
             _check_option(name, value, "False (or None) on the mma kernel (it leaves its splits to the Triton merge "
                           "kernel; kernel='wgmma' merges them itself)", not value)
+        # the mma kernel: one warpgroup's warps, a row a program, both operands decoded into f16
+        # registers (the exact product), the tile's own maximum: what it is, or refused
+        for name, value, itself in (("tokens", self.tokens, 1), ("wgs", self.wgs, 1), ("lag", self.lag, False),
+                                    ("tconv", self.tconv, False), ("vreg", self.vreg, True),
+                                    ("kreg", self.kreg, True)):
+            _check_option(name, value, f"{itself!r} (or None) on the mma kernel, which this step takes "
+                          "(kernel='wgmma' takes the others where it serves)", value == itself)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "
