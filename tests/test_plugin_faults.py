@@ -428,6 +428,15 @@ def test_the_documented_exact_cute_backend_loads_as_a_plugin(site: Path, capsys:
                  "--batch", "128", "--backend", "cute_exact"]) == 0
     out, _ = capsys.readouterr()
     assert "runs on 'cute_exact'" in out, out
+    # `auto` takes it where `cute` would run (its priority is above the built-in's), and leaves
+    # a step its options do not fit to the next backend
+    hopper = ["--capability", "9.0", "--sm-count", "132", "--packages", "cutlass_dsl,triton", "--batch", "128"]
+    assert main(["explain", *hopper]) == 0
+    assert "runs on 'cute_exact'" in capsys.readouterr().out
+    registry.get("cute_exact").kreg = False  # (an NVFP4 step decodes its keys in registers: refused)
+    assert main(["explain", *hopper, "--kv-dtype", "nvfp4"]) == 0
+    out, _ = capsys.readouterr()
+    assert "runs on 'cute'" in out and "kreg: expected True (or None) for nvfp4" in out, out
     sys.modules.pop("cuteexact", None)
 
 

@@ -229,6 +229,11 @@ class CuteBackend(Backend[CutePlan]):
                            "faster than this per-token kernel at 80% page overlap)")
         if not requested and platform.capability is not None and platform.capability[0] != 9:
             reasons.append("auto: measured on Hopper (compute capability 9.x) only; request it by name elsewhere")
+        if not requested and not reasons:  # (asked by name, `plan` raises the option's error itself)
+            try:
+                self.config_on(problem, platform)
+            except MSAInputError as exc:
+                reasons.append(f"auto: its options do not fit this step ({exc})")
         return reasons
 
     def kernel_for(self, problem: DecodeProblem, platform: Platform) -> str:
