@@ -296,11 +296,12 @@ class CuteBackend(Backend[CutePlan]):
                           "kernel; kernel='wgmma' merges them itself)", not value)
         # the mma kernel: one warpgroup's warps, a row a program, both operands decoded into f16
         # registers (the exact product), the tile's own maximum: what it is, or refused
-        for name, value, itself in (("tokens", self.tokens, 1), ("wgs", self.wgs, 1), ("lag", self.lag, False),
-                                    ("tconv", self.tconv, False), ("vreg", self.vreg, True),
-                                    ("kreg", self.kreg, True)):
-            _check_option(name, value, f"{itself!r} (or None) on the mma kernel, which this step takes "
-                          "(kernel='wgmma' takes the others where it serves)", value == itself)
+        wgmma_only: tuple[tuple[str, object, object], ...] = (
+            ("tokens", self.tokens, 1), ("wgs", self.wgs, 1), ("lag", self.lag, False), ("tconv", self.tconv, False),
+            ("vreg", self.vreg, True), ("kreg", self.kreg, True))
+        for name, given, itself in wgmma_only:
+            _check_option(name, given, f"{itself!r} (or None) on the mma kernel, which this step takes "
+                          "(kernel='wgmma' takes the others where it serves)", given == itself)
         splits = self.num_splits or choose_splits(problem, sm_count)
         most = max_stages(KINDS[problem.kv_layout])
         _check_option("stages", self.stages, f"at most {most} for the mma kernel on {problem.kv_layout} (its shared "

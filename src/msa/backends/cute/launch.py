@@ -167,8 +167,18 @@ def launch_cute(
        lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1, g.num_kv_heads, g.group_size, g.topk,
        problem.num_rows, 0 if problem.ragged else problem.query_len, _stream(out.device))
     if config.num_splits > 1 and not config.fused:  # (only the wgmma kernel merges its own splits)
+        _merge(problem, config, workspace, out, lse, lse_arg, scales[3], vs, rows)
+
+
+def _merge(problem: DecodeProblem, config: CuteConfig, workspace: CuteWorkspace, out: torch.Tensor,
+           lse: torch.Tensor | None, lse_arg: torch.Tensor, scales_v: torch.Tensor, vs: float,
+           rows: RowMetadata) -> None:
+    """The Triton merge of the splits' partials, on the stream the kernel ran on: `out`'s device's
+    (Triton launches on the current device's stream, which may be another device's)."""
+    g = problem.geometry
+    with torch.cuda.device(out.device):
         merge_kernel[(problem.num_rows * g.num_q_heads,)](
-            workspace.partial_out, workspace.partial_ml, out, lse_arg, scales[3], vs, rows.q_pos,
+            workspace.partial_out, workspace.partial_ml, out, lse_arg, scales_v, vs, rows.q_pos,
             out.stride(0), out.stride(1), lse_arg.stride(0), lse_arg.stride(1) if lse_arg.dim() > 1 else 1,
             NUM_Q_HEADS=g.num_q_heads, HEAD_DIM=g.head_dim, NUM_SPLITS=config.num_splits,
             BLOCK_S=1 << max(config.num_splits - 1, 0).bit_length(), V_SCALE_PTR=True, WRITE_LSE=lse is not None,
