@@ -62,14 +62,19 @@ def test_the_plot_draws_a_line_per_strategy_and_overlap(tmp_path: Path, monkeypa
     for overlap in (0.0, 0.8):
         for strategy in ("dedup", "per-token"):
             for batch in (64, 256):
-                shape = StepShape("fp8_e4m3", 1, 64, 4, batch, 4, 1000 * batch, 400 * batch, overlap, overlap, 10.0)
-                rows.append(shape.row("triton", "graph", 1.0, 0.0, strategy=strategy, kv_form="packed"))
+                for length in (1, 4):  # (at L = 1 nothing is shared: one line per strategy)
+                    shape = StepShape("fp8_e4m3", 1, 64, 4, batch, length, 1000 * batch, 400 * batch, overlap,
+                                      overlap, 10.0)
+                    rows.append(shape.row("triton", "graph", 1.0, 0.0, strategy=strategy, kv_form="packed"))
     plot({"rows": rows, "copy_gbps": 10.0, "device": "cpu", "date": "today"}, tmp_path / "p.png", sys.stderr)
-    assert len(drawn) == 4
-    assert sorted(label.split(" L=4 ")[1] for _, _, label in drawn) == [
-        "dedup overlap 0", "dedup overlap 0.8", "per-token overlap 0", "per-token overlap 0.8"]
-    for x, y, _ in drawn:
-        assert x == [256, 1024] and y == pytest.approx([0.4 * 64, 0.4 * 256])
+    labels = sorted(label.split(" 64/4 ")[1] for _, _, label in drawn)
+    assert labels == ["L=1 dedup", "L=1 per-token", "L=4 dedup overlap 0", "L=4 dedup overlap 0.8",
+                      "L=4 per-token overlap 0", "L=4 per-token overlap 0.8"]
+    for x, y, label in drawn:
+        if "L=4" in label:
+            assert x == [256, 1024] and y == pytest.approx([0.4 * 64, 0.4 * 256])
+        else:  # both overlaps' rows of a batch on one line
+            assert x == [64, 64, 256, 256] and y == pytest.approx([0.4 * 64] * 2 + [0.4 * 256] * 2)
 
 
 def test_the_eager_table_names_the_backend_and_the_overlap() -> None:

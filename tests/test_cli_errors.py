@@ -68,10 +68,13 @@ BAD: list[tuple[list[str], str, tuple[str, ...]]] = [
     (["bench", "--tp", "1,3"], "bench", ("--tp", "1, 2, 4, 8", "got 3")),
     (["bench", "--backends", "triton,tritn"], "bench", ("--backends", "auto, ", "reference", "got tritn")),
     # --eager times msa's entry points with backend "auto": the graph sweep's flags are refused
-    (["bench", "--eager", "--backends", "cute"], "bench", ("--backends", "with --eager", "cute")),
+    (["bench", "--eager", "--backends", "cute,triton"], "bench", ("--backends", "with --eager", "got cute,triton")),
+    (["bench", "--eager", "--baseline-max-batch", "8"], "bench", ("--baseline-max-batch", "with --eager", "got 8")),
     (["bench", "--eager", "--strategies", "dedup"], "bench", ("--strategies", "with --eager", "dedup")),
     (["bench", "--eager", "--same-tokens"], "bench", ("--same-tokens", "with --eager", "True")),
-    (["bench", "--eager", "--baselines", ""], "bench", ("--baselines", "with --eager")),
+    (["bench", "--eager", "--baselines", "flex"], "bench", ("--baselines", "with --eager", "got flex")),
+    # ... and takes what it does: backend "auto", no baselines (then it needs a GPU)
+    (["bench", "--eager", "--backends", "auto", "--baselines", ""], "bench", ("needs a CUDA GPU",)),
 ]
 
 

@@ -476,3 +476,20 @@ def test_shard_cache_gives_an_idle_rank_one_zero_page_keeps_pairs_and_copies_a_s
     shared[1] = shared[0]
     copied, local = dcp.shard_cache(two.layout, two.kv_cache, shared, 0, 1)
     assert copied.shape[0] == 2 and torch.equal(local[0], local[1])
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_distributed_plan_refuses_a_cache_of_another_layout(validate: bool) -> None:
+    """A distributed planner of kv_cache_dtype 'auto' plans a bf16 query for a bfloat16 cache; an
+    f16 cache run on that plan is refused by name with and without validate (the validated path
+    ran it, so a validated warm-up passed where the plain step then failed)."""
+    g = msa.Geometry(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=4)
+    kw = make_decode_step(g, batch_size=2, context_len=16 * 6, kv_cache_dtype="float16", seed=0).kwargs()
+    q = kw["q"].to(torch.bfloat16)
+    planner = dcp.DistributedDecodePlanner(g, backend="reference", device="cpu")
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=1)
+    assert plan.local.problem.kv_layout == "bfloat16"
+    with pytest.raises(msa.MSAInputError, match=r"kv_cache: expected a bfloat16 cache, as planned, got a float16 cache"):
+        planner.run(plan, q, kw["kv_cache"], kw["topk_indices"], out=torch.empty(q.shape, dtype=torch.bfloat16),
+                    validate=validate)

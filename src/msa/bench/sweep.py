@@ -338,7 +338,7 @@ def summary_table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
     """Bandwidth of each request's selected pages read once (`unique_bytes`; at L = 1 every
     token's) against query tokens a step, one line per (layout, heads, L, backend, kv form, mode,
-    strategy, page overlap)."""
+    strategy, and at L > 1 page overlap)."""
     try:
         matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
@@ -349,14 +349,15 @@ def plot(result: dict[str, Any], path: Path, log: Any = sys.stderr) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     lines: dict[tuple[Any, ...], list[tuple[int, float]]] = {}
     for r in result["rows"]:
+        shared = r["query_len"] > 1 and r.get("overlap") is not None  # (at L = 1 nothing is shared)
         key = (r["layout"], r["heads"], r["query_len"], r["backend"], r.get("kv_form", "packed"), r["mode"],
-               r.get("strategy") or "-", -1.0 if r.get("overlap") is None else r["overlap"])
+               r.get("strategy") or "-", r["overlap"] if shared else -1.0)
         lines.setdefault(key, []).append((r["batch"] * r["query_len"], r.get("unique_gbps", r["gbps"])))
     for (layout, heads, length, backend, form, mode, strategy, overlap), points in sorted(lines.items()):
         points.sort()
-        shared = "" if length == 1 else f" {strategy}" + ("" if overlap < 0 else f" overlap {overlap:g}")
+        how = ("" if strategy in ("auto", "-") else f" {strategy}") + ("" if overlap < 0 else f" overlap {overlap:g}")
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                label=f"{backend} {mode} {layout} {form} {heads} L={length}{shared}")
+                label=f"{backend} {mode} {layout} {form} {heads} L={length}{how}")
     ax.axhline(result["copy_gbps"], color="black", linestyle="--", label="device copy (read+write)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("query tokens per step (B x L)")

@@ -15,10 +15,12 @@ from msa.errors import MSAInputError
 __all__ = ["add_parser", "run"]
 
 
-#: The defaults of the graph sweep's own flags (`--eager` takes none of them).
+#: The defaults of the graph sweep's own flags (`--eager` takes none of them), and what else
+#: `--eager` accepts for them (it runs backend "auto" and no baselines).
 SWEEP_ONLY: dict[str, object] = {"same_tokens": False, "strategies": ("auto",), "kv_forms": ("packed",),
                                  "integrations": (), "backends": ("triton",), "baselines": ("torch",),
-                                 "no_graph": False}
+                                 "baseline_max_batch": 64, "no_graph": False}
+EAGER_TAKES: dict[str, object] = {"backends": ("auto",), "baselines": ()}
 
 
 def add_parser(subparsers: Subparsers) -> None:
@@ -47,7 +49,7 @@ def add_parser(subparsers: Subparsers) -> None:
                    help="msa backends to time (comma list; default: triton)")
     p.add_argument("--baselines", type=names, default=SWEEP_ONLY["baselines"],
                    help="baselines to time beside msa: torch, flex (comma list, or empty; default: torch)")
-    p.add_argument("--baseline-max-batch", type=positive_int, default=64,
+    p.add_argument("--baseline-max-batch", type=positive_int, default=SWEEP_ONLY["baseline_max_batch"],
                    help="largest B at which the baselines run (default 64)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
     p.add_argument("--eager", action="store_true",
@@ -97,10 +99,12 @@ def _check_eager(args: argparse.Namespace) -> None:
     """`--eager` times msa's entry points with backend "auto" (and what they launch): the graph
     sweep's own flags are refused with it, not ignored."""
     for attr, default in SWEEP_ONLY.items():
-        if getattr(args, attr) != default:
+        given = getattr(args, attr)
+        if given not in (default, EAGER_TAKES.get(attr, default)):
             flag = "--" + attr.replace("_", "-")
+            shown = ",".join(given) if isinstance(given, tuple) else str(given)
             raise MSAInputError(flag, "its default with --eager (which times msa's entry points with backend "
-                                "'auto': drop it, or leave out --eager)", str(getattr(args, attr)))
+                                "'auto': drop it, or leave out --eager)", shown)
 
 
 def run(args: argparse.Namespace) -> int:

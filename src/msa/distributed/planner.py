@@ -269,6 +269,12 @@ class DistributedDecodePlanner:
                     "q / kv_cache / topk_indices", f"the planner's geometry ({self.geometry.describe()}) and q dtype "
                     f"{self.local.q_dtype}", f"{problem.geometry.describe()}, {problem.q_dtype}",
                 )
+            planned = plan.local.problem.kv_layout  # (as `check_against_plan` refuses it unvalidated)
+            if problem.kv_layout != planned:
+                raise MSAInputError(
+                    "kv_cache", f"a {planned} cache, as planned", f"a {problem.kv_layout} cache",
+                    "Give the planner the cache's layout as kv_cache_dtype ('auto' plans for the output dtype's).",
+                )
             usage = shard_usage(problem, inputs, decode_query_len=length, kv_cache_dtype=self.local.kv_cache_dtype)
             run_checked(problem, inputs, plan.local.backend, exchange.local_out, exchange.local_lse)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
