@@ -31,6 +31,9 @@ class DecodePlanner:
     Args:
         geometry: heads, head dim, page size, top-k of this rank.
         kv_cache_dtype: the cache layout ("auto", "bfloat16", "float16", "fp8", "nvfp4", ...).
+            "auto" plans for the 16-bit layout of the output dtype (bf16 q: "bfloat16"); a run
+            refuses a cache of another layout than planned, so give an f16 cache beside a bf16
+            query (or the other way round) its layout.
         backend: "auto" or a backend name (chosen per step shape by the selection policy).
         device: the device of the caches and tables.
         q_dtype: the dtype of `q` (some backends take fp8 queries only).
