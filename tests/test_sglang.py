@@ -208,3 +208,30 @@ def test_triton_drop_in_equals_the_sglang_oracle(gen: torch.Generator, monkeypat
     s = _sglang_state(gen, "fp8_e4m3", page_size=2 * BLOCK)
     scales = dict(sm_scale=0.11, q_scale=0.75, k_scale=0.5, v_scale=1.5)
     assert_close_to_oracle(_drop_in(s, **scales), _oracle(s, **scales), "triton")
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_an_int64_slot_past_int32_stays_past_every_cache(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int64 `req_to_token` slot whose page does not fit int32 (2^36 + 16 with pages of 16) was
+    cast to int32 and wrapped onto page 1, which was attended; it is a page past every cache now
+    (skipped, as an int32 slot past the pool is), on the torch path and through the table kernel
+    (under the interpreter on the CPU), with the same answer as a slot past the pool."""
+    import msa.integrations.sglang as sglang
+
+    if kernel and not INTERPRET:
+        pytest.skip("the table kernel runs on the CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setattr(sglang, "interpreting", lambda: kernel)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(64, 1, 64, dtype=torch.bfloat16, generator=gen)  # a pool of 4 pages of 16 slots
+    v = torch.randn(64, 1, 64, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, 2, 64, dtype=torch.bfloat16, generator=gen)
+    topk, seq_lens, slot_ids = (torch.zeros(1, 1, 1, dtype=torch.int32), torch.tensor([16], dtype=torch.int32),
+                                torch.tensor([0], dtype=torch.int32))
+    outs = []
+    for first in (2**36 + 16, -(2**36), 2**31 - 1):  # int64 past int32 either way; past the pool
+        req_to_token = torch.full((1, 16), first, dtype=torch.int64)
+        table, _ = sglang._tables(req_to_token, slot_ids, seq_lens, 16)
+        assert table[0, 0] < 0 or table[0, 0] >= 4, table  # not a page of the pool
+        outs.append(flash_decode_with_gqa_share_sparse(q, None, k, v, req_to_token, seq_lens, slot_ids, 16, topk,
+                                                       page_size=16))
+    assert all(torch.equal(out, torch.zeros_like(out)) for out in outs), outs  # nothing visible: zero rows

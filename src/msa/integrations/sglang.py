@@ -65,9 +65,11 @@ def pools_as_pages(
 
 def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """msa's int32 block table `[B, ceil(max_context / block_size)]`: the page of each request's
-    logical block, read from the first slot of the block (`req_to_token[slot, j*bs] // bs`)."""
+    logical block, read from the first slot of the block (`req_to_token[slot, j*bs] // bs`; an
+    int64 slot's page outside int32 kept outside every cache, not wrapped onto a real page)."""
     firsts = req_to_token.index_select(0, slot_ids.long())[:, ::block_size]
-    return torch.div(firsts, block_size, rounding_mode="floor").to(torch.int32)
+    pages = torch.div(firsts, block_size, rounding_mode="floor")
+    return pages.clamp(-1, 2**31 - 1).to(torch.int32)
 
 
 def step_tables(
