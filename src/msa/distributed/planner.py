@@ -30,6 +30,7 @@ from msa.errors import MSAInputError, check_flag
 from msa.layouts import KVCache
 from msa.planner import DecodePlan, DecodePlanner, PlanKey
 from msa.planner.guard import thread_token
+from msa.planner.runs import check_planned_layout
 from msa.planning import PlanCache
 from msa.platform import Platform
 from msa.policy import SelectionPolicy
@@ -269,12 +270,7 @@ class DistributedDecodePlanner:
                     "q / kv_cache / topk_indices", f"the planner's geometry ({self.geometry.describe()}) and q dtype "
                     f"{self.local.q_dtype}", f"{problem.geometry.describe()}, {problem.q_dtype}",
                 )
-            planned = plan.local.problem.kv_layout  # (as `check_against_plan` refuses it unvalidated)
-            if problem.kv_layout != planned:
-                raise MSAInputError(
-                    "kv_cache", f"a {planned} cache, as planned", f"a {problem.kv_layout} cache",
-                    "Give the planner the cache's layout as kv_cache_dtype ('auto' plans for the output dtype's).",
-                )
+            check_planned_layout(problem, plan.local.problem, type(self).__name__)  # (as unvalidated runs do)
             usage = shard_usage(problem, inputs, decode_query_len=length, kv_cache_dtype=self.local.kv_cache_dtype)
             run_checked(problem, inputs, plan.local.backend, exchange.local_out, exchange.local_lse)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike

@@ -23,10 +23,20 @@ from msa.validation import (
     validation_requested,
 )
 
-__all__ = ["checked_run_inputs", "check_against_plan"]
+__all__ = ["checked_run_inputs", "check_against_plan", "check_planned_layout"]
 
 #: Call signatures a plan remembers before it forgets them all.
 MAX_REMEMBERED_RUNS = 32
+
+
+def check_planned_layout(problem: DecodeProblem, planned: DecodeProblem, planner: str = "DecodePlanner") -> None:
+    """The step's cache is of the planned layout (a backend's kernels were chosen and built for
+    it); `planner`: the class to name in the hint."""
+    if problem.kv_layout != planned.kv_layout:
+        raise MSAInputError(
+            "kv_cache", f"a {planned.kv_layout} cache, as planned", f"a {problem.kv_layout} cache",
+            f"Give {planner} the cache's layout as kv_cache_dtype ('auto' plans for the output dtype's).",
+        )
 
 
 def check_against_plan(problem: DecodeProblem, plan: DecodePlan) -> None:
@@ -41,11 +51,7 @@ def check_against_plan(problem: DecodeProblem, plan: DecodePlan) -> None:
         )
     if problem.q_dtype != planned.q_dtype:
         raise MSAInputError("q", f"dtype {planned.q_dtype} (the planner's q_dtype)", problem.q_dtype)
-    if problem.kv_layout != planned.kv_layout:  # (a backend's kernels were chosen and built for the plan's)
-        raise MSAInputError(
-            "kv_cache", f"a {planned.kv_layout} cache, as planned", f"a {problem.kv_layout} cache",
-            "Give DecodePlanner the cache's layout as kv_cache_dtype ('auto' plans for the output dtype's).",
-        )
+    check_planned_layout(problem, planned)
     if problem.num_rows != planned.num_rows:
         how = f"num_rows={planned.num_rows} given to plan()" if planned.ragged else (
             f"B*L = {planned.batch_size}*{planned.query_len}")
