@@ -190,6 +190,35 @@ def test_rank_table_from_virtual() -> None:
     assert rotated[0].tolist() == tables[1].tolist() and rotated[1].tolist() == tables[0].tolist()
 
 
+def test_a_virtual_block_whose_pages_pass_int32_is_skipped_not_wrapped() -> None:
+    """Virtual block v's pages are v * I + j; past int32 they would wrap onto real pages (attended)."""
+    for w, i, v in ((1, 4, 2**30), (2, 3, 1431655766), (1, 2, 2**31 - 1)):
+        virtual = torch.tensor([[0, v]], dtype=torch.int32)
+        for r in range(w):
+            table = dcp.rank_table_from_virtual(virtual, r, w, i)
+            assert table[0, w * i:].eq(-1).all(), (w, i, v, table.tolist())
+            assert table[0, :w * i].tolist() == [j % i if (j // i) % w == r else -1 for j in range(w * i)]
+
+
+def test_huge_rotations_act_by_their_residue() -> None:
+    """Only rotation % W picks a rank: any int (2**64 included) or int64 tensor works, and the
+    count of owned blocks agrees with the tables (no int64 sum overflows)."""
+    table = torch.arange(7, dtype=torch.int32).view(1, 7)
+    for w, i in ((3, 1), (2, 2)):
+        for rot in (2**64, 2**63 - 1, -(2**63), -5):
+            residue = rot % w
+            for r in range(w):
+                want = dcp.rank_local_block_table(table, r, w, i, rotation=residue)
+                assert torch.equal(dcp.rank_local_block_table(table, r, w, i, rotation=rot), want)
+                if -(2**63) <= rot < 2**63:
+                    tensor_rot = torch.tensor([rot], dtype=torch.int64)
+                    assert torch.equal(dcp.rank_local_block_table(table, r, w, i, rotation=tensor_rot), want)
+                    held = int(want.ne(-1).sum())
+                    assert int(dcp.owned_block_count(torch.tensor([7]), r, w, i, tensor_rot)) == held
+                assert dcp.owned_block_count(7, r, w, i, rot) == int(want.ne(-1).sum())
+                assert dcp.block_owner(3, w, i, rot) == dcp.block_owner(3, w, i, residue)
+
+
 def test_slot_mapping_writes_exactly_the_rank_share(gen: torch.Generator) -> None:
     """Writing every token through each rank's slot mapping builds the shards shard_cache cuts."""
     g = msa.Geometry(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, topk=4)

@@ -31,6 +31,9 @@ import torch
 from msa.errors import MSAInputError, is_int
 from msa.layouts import KVCache, KVLayout, get_layout
 
+#: The largest page id an int32 table holds.
+_INT32_MAX = torch.iinfo(torch.int32).max
+
 __all__ = [
     "block_owner",
     "owned_block_count",
@@ -65,14 +68,15 @@ def _table(argument: str, value: object) -> torch.Tensor:
     return value
 
 
-def _rotation_column(rotation: Rotation, batch: int, device: torch.device) -> torch.Tensor | int:
-    """`rotation` as an int, or as an int64 `[B, 1]` tensor on `device`."""
+def _rotation_column(rotation: Rotation, batch: int, device: torch.device, world_size: int) -> torch.Tensor | int:
+    """`rotation` modulo `world_size` (only its residue picks a rank: reduced first, so no sum
+    with it overflows), as an int or as an int64 `[B, 1]` tensor on `device`."""
     if rotation is None:
         return 0
     if isinstance(rotation, bool):
         raise MSAInputError("rotation", "None, an int, or an integer tensor [B]", repr(rotation))
     if isinstance(rotation, int):
-        return rotation
+        return rotation % world_size
     if not isinstance(rotation, torch.Tensor):
         raise MSAInputError("rotation", "None, an int, or an integer tensor [B]", type(rotation).__name__)
     if rotation.is_floating_point() or rotation.is_complex() or tuple(rotation.shape) != (batch,):
@@ -82,7 +86,7 @@ def _rotation_column(rotation: Rotation, batch: int, device: torch.device) -> to
         )
     if rotation.device != device:
         raise MSAInputError("rotation", f"a tensor on {device} (the device of the table)", rotation.device)
-    return rotation.long().view(-1, 1)
+    return (rotation.long() % world_size).view(-1, 1)
 
 
 @overload
@@ -105,7 +109,7 @@ def block_owner(
     """
     w = _positive_int("world_size", world_size)
     i = _positive_int("interleave", interleave)
-    return (block // i + rotation) % w
+    return (block // i + rotation % w) % w
 
 
 @overload
@@ -124,7 +128,7 @@ def owned_block_count(
     each cycle of `W * I` blocks): `(n // (W*I)) * I + clamp(n % (W*I) - s*I, 0, I)`.
     """
     r, w, i = _check_rank(rank, world_size, interleave)
-    slot = (r - rotation) % w
+    slot = (r - rotation % w) % w
     cycle = w * i
     rest = num_blocks % cycle - slot * i
     if isinstance(rest, torch.Tensor):
@@ -136,7 +140,7 @@ def _owned_mask(shape: tuple[int, int], device: torch.device, rank: int, world_s
                 rotation: Rotation) -> torch.Tensor:
     batch, blocks = shape
     col = torch.arange(blocks, device=device).view(1, -1)
-    rot = _rotation_column(rotation, batch, device)
+    rot = _rotation_column(rotation, batch, device, world_size)
     return ((col // interleave + rot) % world_size == rank).expand(batch, blocks)
 
 
@@ -234,7 +238,7 @@ def rank_table_from_virtual(
     entries = table[:, virtual.clamp(max=max(table.shape[1] - 1, 0))] if table.shape[1] else table.new_full(shape, -1)
     pages = entries.long() * interleave + (col % interleave)
     owned = _owned_mask(shape, table.device, rank, world_size, interleave, rotation)
-    keep = inside & owned & (entries >= 0)
+    keep = inside & owned & (entries >= 0) & (pages <= _INT32_MAX)  # (a page past int32 would wrap onto a real one)
     result = torch.where(keep, pages, -1).to(torch.int32)
     if out is None:
         return result
@@ -288,7 +292,7 @@ def rank_slot_mapping(
     valid = (pos >= 0) & (block < blocks) & (req >= 0) & (req < batch)
     safe_req, safe_block = torch.where(valid, req, 0), torch.where(valid, block, 0)
     page = table[safe_req, safe_block].long() if table.numel() else torch.full_like(pos, -1)
-    rot = _rotation_column(rotation, batch, table.device)
+    rot = _rotation_column(rotation, batch, table.device, world_size)
     rot_tok = rot.view(-1)[safe_req] if isinstance(rot, torch.Tensor) else rot
     owned = (safe_block // interleave + rot_tok) % world_size == rank
     keep = valid & owned & (page >= 0)
