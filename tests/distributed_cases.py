@@ -230,7 +230,7 @@ def run_scenario(sc: Scenario, seed: int, check: Checker, device: str, backends:
         for method in dcp.FULL_METHODS:
             if method == "all_to_all" and not divisible:
                 check.raises(f"{tag} {method} with {heads} heads over {world}",
-                             lambda m=method, b=backend: dcp.sparse_decode(**local, method=m, backend=b), "out")
+                             lambda m=method, b=backend: dcp.sparse_decode(**local, method=m, backend=b), "q / method")
                 continue
             out, lse = dcp.sparse_decode(**local, method=method, return_lse=True, backend=backend)
             check.close(f"{tag} sparse_decode {method}", out, lse, ref_out, ref_lse, scale)
@@ -239,7 +239,7 @@ def run_scenario(sc: Scenario, seed: int, check: Checker, device: str, backends:
                 check.raises(f"{tag} scattered {method} with {heads} heads over {world}",
                              lambda m=method, b=backend: dcp.sparse_decode(**local, method=m, scatter_heads=True,
                                                                            backend=b),
-                             "out")
+                             "q / method")
                 continue
             out, lse = dcp.sparse_decode(**local, method=method, scatter_heads=True, return_lse=True, backend=backend)
             check.close(f"{tag} scattered {method}", out, lse, ref_out[:, mine], ref_lse[:, mine], scale[:, mine])

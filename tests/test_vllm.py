@@ -96,8 +96,21 @@ def test_refusals(seed: int) -> None:
         minimax_m3_sparse_attn_decode(*args, k_scale=per_slot, v_scale=per_slot)
     with pytest.raises(msa.MSAInputError, match=r"^num_kv_heads: expected the KV heads of kv_cache"):
         minimax_m3_sparse_attn_decode(*args[:5], 4, *args[6:], **scales)
-    with pytest.raises(msa.MSAInputError, match=r"^token_to_req_indices: expected a tensor of at least total_q"):
-        minimax_m3_sparse_attn_decode(*args, **scales, query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(msa.MSAInputError, match=r"^token_to_req_indices: expected a 1-D tensor of at least total_q"):
+        minimax_m3_sparse_attn_decode(*args, **scales, query_start_loc=qsl)
+    with pytest.raises(msa.MSAInputError, match=r"^token_to_req_indices: expected a 1-D tensor .* got shape \(\)"):
+        minimax_m3_sparse_attn_decode(*args, **scales, query_start_loc=qsl, token_to_req_indices=torch.tensor(0))
+    # checked before anything reads them (q's shape was read first: AttributeError / IndexError)
+    with pytest.raises(msa.MSAInputError, match=r"^q: expected a 3-D tensor \[total_q, Hq, D\], got NoneType"):
+        minimax_m3_sparse_attn_decode(None, *args[1:], **scales)
+    with pytest.raises(msa.MSAInputError, match=r"^q: expected a 3-D tensor \[total_q, Hq, D\], got shape \(\)"):
+        minimax_m3_sparse_attn_decode(torch.tensor(1.0), *args[1:], **scales)
+    with pytest.raises(msa.MSAInputError, match=r"^output: expected a tensor \[total_q, Hq, D\], written in place"):
+        minimax_m3_sparse_attn_decode(*args[:7], None, *args[8:], **scales)  # (vLLM's caller keeps no result)
+    for heads in (1.0, True):
+        with pytest.raises(msa.MSAInputError, match=r"^num_kv_heads: expected an int"):
+            minimax_m3_sparse_attn_decode(*args[:5], heads, *args[6:], **scales)
     if hasattr(torch, "float8_e5m2"):
         with pytest.raises(msa.MSAUnsupportedError, match=r"^kv_cache: msa reads fp8 caches in float8_e4m3fn"):
             minimax_m3_sparse_attn_decode(args[0], args[1].view(torch.float8_e5m2), *args[2:], **scales)

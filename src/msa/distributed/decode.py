@@ -187,7 +187,7 @@ def _local_step(
     rows, heads, dim = q.shape
     exchange = Exchange(
         info, rows=rows, heads=heads, head_dim=dim, dtype=output_dtype(q.dtype), device=q.device, method=chosen,
-        scatter_heads=scatter_heads, reduce_dtype=reduce_dtype,
+        scatter_heads=scatter_heads, reduce_dtype=reduce_dtype, heads_from="q / method",
     )
     shape = (rows, exchange.out_heads, dim)
     out_t = out if out is not None else torch.empty(shape, dtype=exchange.dtype, device=q.device)

@@ -84,6 +84,7 @@ class Exchange:
             (default fp32: exact to the partials' rounding; the output dtype halves the bytes but
             rounds every corrected partial and every partial sum, which loses up to an ulp of
             the largest partial where partials cancel).
+        heads_from: the argument an error about `heads` names (the caller's source of it).
 
     Attributes:
         local_out: `[T, H, D]` where this rank's partial output must be written before `merge`.
@@ -103,6 +104,7 @@ class Exchange:
         method: str,
         scatter_heads: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        heads_from: str = "out",
     ) -> None:
         self.method = check_method(method, scatter_heads)
         if dtype not in _OUT_DTYPES:
@@ -113,7 +115,7 @@ class Exchange:
         split = scatter_heads or method == "all_to_all"
         if split and heads % w:
             raise MSAInputError(
-                "out", f"a head count divisible by the group size {w} (method {method!r}, "
+                heads_from, f"a head count divisible by the group size {w} (method {method!r}, "
                 f"scatter_heads={scatter_heads} give each rank heads / {w})", f"{heads} heads",
             )
         self.info = info

@@ -180,7 +180,7 @@ class DistributedDecodePlanner:
             exchange = Exchange(
                 self.info, rows=local.problem.num_rows, heads=g.num_q_heads, head_dim=g.head_dim,
                 dtype=output_dtype(self.local.q_dtype), device=self.local.device, method=self.method,
-                scatter_heads=self.scatter_heads, reduce_dtype=self.reduce_dtype,
+                scatter_heads=self.scatter_heads, reduce_dtype=self.reduce_dtype, heads_from="geometry / method",
             )
             return DistributedDecodePlan(local, exchange, self._token)
 

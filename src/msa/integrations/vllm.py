@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from msa.api import sparse_decode
-from msa.errors import MSAInputError, MSAUnsupportedError
+from msa.errors import MSAInputError, MSAUnsupportedError, is_int
 from msa.layouts import refuse_unread_fp8
 
 __all__ = ["minimax_m3_sparse_attn_decode", "RAGGED_MAX_QUERY_LEN"]
@@ -95,6 +95,13 @@ def minimax_m3_sparse_attn_decode(
         MSAInputError: an argument breaks vLLM's contract (named, with what was expected).
         MSAUnsupportedError: per-slot scales, or an fp8 cache msa does not read (e5m2, fnuz).
     """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        given = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise MSAInputError("q", "a 3-D tensor [total_q, Hq, D]", given)
+    if not isinstance(output, torch.Tensor):  # (vLLM's caller owns the result: it is written in place)
+        raise MSAInputError("output", "a tensor [total_q, Hq, D], written in place", type(output).__name__)
+    if not is_int(num_kv_heads):
+        raise MSAInputError("num_kv_heads", "an int", repr(num_kv_heads))
     if not isinstance(kv_cache, torch.Tensor):
         raise MSAInputError("kv_cache", "a torch.Tensor [num_blocks, Hkv, 128, 2D]", type(kv_cache).__name__)
     if kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * q.shape[-1]:
@@ -109,9 +116,10 @@ def minimax_m3_sparse_attn_decode(
     k, v = _scales(k_scale, v_scale, fp8)
     length = decode_query_len
     if query_start_loc is not None:
-        if not isinstance(token_to_req_indices, torch.Tensor) or token_to_req_indices.shape[0] < q.shape[0]:
+        if (not isinstance(token_to_req_indices, torch.Tensor) or token_to_req_indices.dim() != 1
+                or token_to_req_indices.shape[0] < q.shape[0]):
             raise MSAInputError(
-                "token_to_req_indices", f"a tensor of at least total_q = {q.shape[0]} entries with query_start_loc",
+                "token_to_req_indices", f"a 1-D tensor of at least total_q = {q.shape[0]} entries with query_start_loc",
                 "None" if token_to_req_indices is None else f"shape {tuple(token_to_req_indices.shape)}",
             )
         length = max(1, min(q.shape[0], RAGGED_MAX_QUERY_LEN))
