@@ -211,7 +211,7 @@ def test_writer_validates_scale_tensors_as_sparse_decode_does(name: str, bad: fl
     cache = layout.allocate(2, 1, 16, 64)
     key = torch.ones((2, 1, 64), dtype=torch.bfloat16)
     scale = torch.tensor([bad])
-    with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0, got a tensor holding"):
+    with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got a tensor holding"):
         layout.write(cache, key, key, torch.arange(2), k_scale=scale, v_scale=torch.ones(1), validate=True)
     with pytest.raises(MSAInputError, match=r"^v_scale: expected a finite scale > 0"):
         layout.write(cache, key, key, torch.arange(2), k_scale=torch.ones(1), v_scale=scale, validate=True)

@@ -89,10 +89,10 @@ def test_errors_are_msa_and_value_errors() -> None:
         (dict(out=torch.zeros(B * L, D, HQ).bfloat16().transpose(1, 2)), r"^out: expected unit stride in the last dimension"),
         (dict(lse=torch.zeros(B * L, HQ).bfloat16()), r"^lse: expected a torch.float32 tensor of shape \(4, 8\), got torch.bfloat16"),
         # hostile values the cheap checks catch (issue: trust under hostile input)
-        (dict(sm_scale=float("nan")), r"^sm_scale: expected a finite scale > 0, got nan"),
-        (dict(k_scale=float("inf")), r"^k_scale: expected a finite scale > 0, got inf"),
-        (dict(v_scale=-0.5), r"^v_scale: expected a finite scale > 0, got -0.5"),
-        (dict(q_scale=0), r"^q_scale: expected a finite scale > 0, got 0"),
+        (dict(sm_scale=float("nan")), r"^sm_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got nan"),
+        (dict(k_scale=float("inf")), r"^k_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got inf"),
+        (dict(v_scale=-0.5), r"^v_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got -0.5"),
+        (dict(q_scale=0), r"^q_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got 0"),
         (dict(return_lse="yes"), r"^return_lse: expected True or False, got 'yes'"),
         (dict(validate=1), r"^validate: expected True or False, got 1"),
         (dict(backend=None), r"^backend: expected 'auto' or a backend name \(a str\), got None"),
@@ -105,8 +105,13 @@ def test_errors_are_msa_and_value_errors() -> None:
         (dict(kv_cache=(torch.zeros(PAGES, 0, P, D).bfloat16(), torch.zeros(PAGES, 0, P, D).bfloat16())), r"^kv_cache: expected at least one page and one KV head, got shape \(10, 0, 16, 64\)"),
         (dict(q=torch.zeros(B * L, HQ, 0).bfloat16(), kv_cache=torch.zeros(PAGES, HKV, P, 0).bfloat16()), r"^q: expected at least one head and a head dim >= 1 \(\[B\*L, Hq >= 1, D >= 1\]\), got shape \(4, 8, 0\)"),
         (dict(q=torch.zeros(B * L, 0, D).bfloat16()), r"^q: expected at least one head and a head dim >= 1"),
-        (dict(sm_scale=10**400), r"^sm_scale: expected a finite scale > 0, got an int of 1329 bits"),
-        (dict(k_scale=-(10**400)), r"^k_scale: expected a finite scale > 0, got an int of 1329 bits"),
+        (dict(sm_scale=10**400), r"^sm_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got an int of 1329 bits"),
+        (dict(k_scale=-(10**400)), r"^k_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got an int of 1329 bits"),
+        # finite doubles that float32, where every backend computes, cannot hold (1e39 gave NaN outputs)
+        (dict(sm_scale=1e39), r"^sm_scale: expected a finite scale > 0 within float32.s normal range .*, got 1e\+39"),
+        (dict(v_scale=1e-40), r"^v_scale: expected a finite scale > 0 within float32.s normal range .*, got 1e-40"),
+        (dict(sm_scale=1e30, k_scale=1e20), r"^sm_scale \* q_scale \* k_scale: expected a product within float32.s normal range .* got 1e\+50"),
+        (dict(sm_scale=1e-30, q_scale=1e-30), r"^sm_scale \* q_scale \* k_scale: expected a product within float32.s normal range"),
     ],
 )
 def test_cheap_checks(changes: dict[str, Any], match: str) -> None:
@@ -135,9 +140,12 @@ def test_lse_must_not_overlap_q() -> None:
 
 
 def test_deep_checks_read_tensor_scales() -> None:
-    for bad in (float("nan"), float("inf"), 0.0, -1.0):
-        with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0, got a tensor holding"):
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, 1e-40):
+        with pytest.raises(MSAInputError, match=r"^k_scale: expected a finite scale > 0 within float32.s normal range \[2\^-125, 1.7e38\], got a tensor holding"):
             msa.sparse_decode(**good(k_scale=torch.tensor([bad])), validate=True)
+    with pytest.raises(MSAInputError, match=r"^sm_scale \* q_scale \* k_scale: expected a product within"):
+        msa.sparse_decode(**good(k_scale=torch.tensor([1e30]), sm_scale=1e30), validate=True)
+    msa.sparse_decode(**good(k_scale=torch.tensor([1e30]), sm_scale=1e-30))  # (a product in range)
 
 
 def test_fp8_queries_need_bf16_out() -> None:

@@ -19,7 +19,7 @@ from msa.errors import MSAInputError, check_flag, is_int
 from msa.layouts import KVCache, KVLayout, cache_device, layout_for_cache
 from msa.layouts.base import KVOperands
 from msa.problem import DecodeProblem, Geometry, cache_form
-from msa.scales import Scale, check_scale, check_scale_value
+from msa.scales import Scale, check_scale, check_scale_value, check_score_factor
 from msa.semantics import row_positions
 
 __all__ = [
@@ -397,6 +397,9 @@ def check_decode_inputs(
             ("v_scale", v_scale),
         )
     }
+    factor = (scales["sm_scale"], scales["q_scale"], scales["k_scale"])
+    if not any(isinstance(x, torch.Tensor) for x in factor):  # (a tensor's value: the deep checks)
+        check_score_factor(*factor)
     out_dtype = output_dtype(q_t.dtype)
     out_t = _check_output("out", out, (rows, num_q_heads, head_dim), out_dtype, device)
     lse_t = _check_output("lse", lse, (rows, num_q_heads), torch.float32, device)
@@ -472,6 +475,7 @@ def check_decode_data(problem: DecodeProblem, inputs: DecodeInputs) -> None:
     p, length = problem.geometry.page_size, problem.query_len
     for name in ("sm_scale", "q_scale", "k_scale", "v_scale"):
         check_scale_value(name, getattr(inputs, name))
+    check_score_factor(inputs.sm_scale, inputs.q_scale, inputs.k_scale)
     lens = inputs.seq_lens.long()
     if inputs.query_start_loc is not None:
         starts = inputs.query_start_loc.tolist()
