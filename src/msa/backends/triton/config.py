@@ -40,7 +40,10 @@ class LaunchConfig:
     tiles_per_split: tiles each split walks.
     num_warps, num_stages: Triton launch parameters.
     compute: dtype of the tensor-core dots for quantized caches ("fp16" or "bf16"; both are
-        exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype).
+        exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype). With
+        "fp16" a bf16 query is converted to fp16: exact where its elements lie in fp16's range
+        (magnitudes up to 65504, low bits from 2^-24); a larger one becomes inf and its row's
+        output NaN.
     decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
         portable Triton decode (the interpreter always uses it). The values are the same.
     codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.
