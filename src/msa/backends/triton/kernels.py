@@ -152,6 +152,37 @@ def _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_p
 
 
 @triton.jit
+def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
+    """The query tile(s) in `COMPUTE`, and the factor per head (along `AXIS`, the head-dim axis
+    being the other) that the scores take back: 1.0, or with `FIT` (a bf16 query whose dots run
+    in fp16) the query times a power of two per head that puts the head's largest magnitude in
+    [2^14, 2^15), inside fp16's range (a bf16 element past 65504 was inf, its row's output NaN;
+    exact for elements from 2^-31 of the head's largest), and the inverse power of two to apply
+    to the head's scores. `q2` is NVFP4's odd half (or `q` again). Powers of two built from the
+    exponent bits (exact), the exponent clamped to [-112, 127] (a NaN or Inf head stays one)."""
+    qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qf), axis=1 - AXIS), tl.max(tl.abs(qf2), axis=1 - AXIS))
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, -112), 127)
+    up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
+    down = ((113 + e) << 23).to(tl.float32, bitcast=True)
+    if not FIT:
+        up = tl.full(up.shape, 1.0, tl.float32)
+        down = tl.full(down.shape, 1.0, tl.float32)
+    return (qf * up).to(COMPUTE), (qf2 * up).to(COMPUTE), down
+
+
+@triton.jit
+def _score_factor(qk, q_back, AXIS: tl.constexpr, FIT: tl.constexpr):
+    """The scores' factor: `qk`, or for a fitted query (`_fit_q`) `qk` times each head's factor
+    back, broadcastable against the scores (heads along `AXIS`): the one multiply the scores took
+    anyway."""
+    if FIT:
+        qk = tl.expand_dims(qk * q_back, 1 - AXIS)
+    return qk
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i, HEADS_AXIS: tl.constexpr = 0):
     """Online-softmax update for scores s (base 2): [G, N], or [N, G] with `HEADS_AXIS` 1;
     returns (p, alpha, m_new, l_new), the statistics [G]."""
@@ -292,7 +323,7 @@ def split_decode_kernel(
     SM_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
-    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr,
+    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
 ):
     """Layouts of plain elements (bf16, fp16, fp8): K and V rows of `HEAD_DIM` elements."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
@@ -301,7 +332,8 @@ def split_decode_kernel(
     q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    q = q.to(COMPUTE)
+    q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
+    qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
                                        stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
@@ -392,7 +424,7 @@ def nvfp4_decode_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
     CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
-    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr,
+    counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -408,7 +440,7 @@ def nvfp4_decode_kernel(
     acc_even, acc_odd, m_i, l_i = _nvfp4_walk(
         q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, ids, pages, qk, v_offset,
         stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, HEAD_DIM, PAGE, BLOCK_N, BLOCK_G,
-        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB)
+        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB, Q_FIT)
     _store_result(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
     # the odd columns: the statistics were written with the even ones
@@ -425,7 +457,8 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
                 stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 TILES_PER_SPLIT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-                NUM_STAGES: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr):
+                NUM_STAGES: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
+                Q_FIT: tl.constexpr):
     """A split's walk over its NVFP4 tiles. Returns (even accumulator, odd accumulator) [G, D/2]
     and the running (max, sum) [G].
 
@@ -443,7 +476,9 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_even = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :], mask=g_mask[:, None], other=0.0)
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    q_even, q_odd, acc_odd = q_even.to(COMPUTE), q_odd.to(COMPUTE), acc_even
+    q_even, q_odd, q_back = _fit_q(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, COMPUTE)
+    qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
+    acc_odd = acc_even
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     CHUNKS: tl.constexpr = PAGE // BLOCK_N
@@ -502,6 +537,7 @@ def split_dedup_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
     BLOCK_SCALED: tl.constexpr = False, DECODE_ASM: tl.constexpr = False, CODES_ROWS: tl.constexpr = True,
+    Q_FIT: tl.constexpr = False,
 ):
     """Page dedup for several query tokens of one request (every layout: `BLOCK_SCALED` for
     NVFP4 head slots, whose even and odd head-dim elements are kept apart as in
@@ -537,13 +573,16 @@ def split_dedup_kernel(
     dh = tl.arange(0, HEAD_DIM // 2)
     q_rows = q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh
     if BLOCK_SCALED:
-        q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE)  # the even elements
-        q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0).to(COMPUTE)
+        q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)  # the even elements
+        q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        q, q_odd, q_back = _fit_q(q, q_odd, 0, Q_FIT, COMPUTE)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
-        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE)
+        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+        q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+    qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     # the chunk's entries: token ei's entry et; resolved once (no dependent loads in the loop)
     e = tl.arange(0, ENTRIES_PAD)

@@ -116,6 +116,12 @@ def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: Launc
     return _COMPUTE[config.compute], "tf32"
 
 
+def _fits_q(q_dtype: torch.dtype, compute: object) -> bool:
+    """Whether the kernels scale a bf16 query by a power of two per head before its fp16 dots
+    (`kernels._fit_q`): fp16's range is narrower than bf16's."""
+    return q_dtype == torch.bfloat16 and compute == tl.float16
+
+
 def decode_args(
     problem: DecodeProblem,
     inputs: DecodeInputs,
@@ -148,7 +154,7 @@ def decode_args(
         NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size, HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
         BLOCK_N=config.block_n, NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        Q_FIT=_fits_q(q.dtype, compute), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
