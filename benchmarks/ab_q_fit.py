@@ -1,0 +1,72 @@
+"""The Triton kernels with and without the bf16 query's fit into fp16's range (`kernels._fit_q`),
+timed in one run on one GPU (the fit is switched off by patching `launch._fits_q`):
+
+    PYTHONPATH=src python3 benchmarks/ab_q_fit.py [--layouts fp8_e4m3,nvfp4] [--batches 1,16,64,256] \
+        [--query-lens 1,4] [--reps 30]
+
+M3 TP1 at 64K contexts (`msa.workload.make_decode_step`, bf16 queries), `backend="triton"` through
+a planner, as L2-flushed CUDA-graph replays (`msa.bench.timing.Timer`); the variants are
+interleaved per step (fit, no fit, fit again) so that drift shows. Each output is compared with
+the reference first (max abs error printed). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+import msa
+from msa.backends.triton import launch
+from msa.bench.timing import Timer
+from msa.display import format_table
+from msa.workload import make_decode_step
+
+
+def _step(layout: str, batch: int, length: int) -> tuple[Callable[[], object], float]:
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=length, context_len=65536,
+                            kv_cache_dtype=layout, device="cuda", seed=batch * 10 + length)
+    kw = step.kwargs()
+    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype=layout, backend="triton", device="cuda")
+    out = torch.empty_like(kw["q"])
+    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=length)
+
+    def call() -> object:
+        planner.run(plan, kw["q"], kw["kv_cache"], kw["topk_indices"], out=out, k_scale=kw["k_scale"],
+                    v_scale=kw["v_scale"])
+        return out
+
+    call()
+    ref = msa.sparse_decode(**kw, backend="reference")
+    return call, float((out.float() - ref.float()).abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="fp8_e4m3,nvfp4")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--query-lens", default="1,4")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    timer = Timer(reps=args.reps)
+    fit = launch._fits_q
+    rows = []
+    for layout in args.layouts.split(","):
+        for length in (int(x) for x in args.query_lens.split(",")):
+            for batch in (int(x) for x in args.batches.split(",")):
+                times: dict[str, list[float]] = {"fit": [], "no fit": []}
+                errors = {}
+                for name in ("fit", "no fit", "fit"):
+                    launch._fits_q = fit if name == "fit" else (lambda q_dtype, compute: False)  # type: ignore[assignment]
+                    call, errors[name] = _step(layout, batch, length)
+                    times[name].append(timer.graph(call))
+                launch._fits_q = fit  # type: ignore[assignment]
+                rows.append([layout, length, batch, *(round(min(times[n]), 1) for n in ("fit", "no fit")),
+                             f"{errors['fit']:.1e}", f"{errors['no fit']:.1e}"])
+                print(rows[-1], flush=True)
+    print(format_table(["layout", "L", "B", "fit us", "no fit us", "err fit", "err no fit"], rows))
+
+
+if __name__ == "__main__":
+    main()
