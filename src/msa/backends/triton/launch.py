@@ -117,7 +117,7 @@ def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: Launc
 
 
 def _fits_q(q_dtype: torch.dtype, compute: object) -> bool:
-    """Whether the kernels scale a bf16 query by a power of two per head before its fp16 dots
+    """Whether the kernels scale a bf16 query by a power of two before its fp16 dots
     (`kernels._fit_q`): fp16's range is narrower than bf16's."""
     return q_dtype == torch.bfloat16 and compute == tl.float16
 
