@@ -438,3 +438,14 @@ def test_fp8_caches_msa_does_not_read_are_unsupported_everywhere() -> None:
     for cache in ((pair[0], pair[1].view(torch.float8_e5m2)), (pair[0].view(torch.float8_e5m2), pair[1])):
         with pytest.raises(msa.MSAUnsupportedError, match=match):
             msa.sparse_decode(kv_cache=cache, **step)
+
+
+def test_nvfp4_default_global_scale_is_one_msa_accepts(gen: torch.Generator) -> None:
+    """The writer's own global scale (amax / 2688) for tiny values fell below float32's normal
+    range, which every entry point then refused as a k_scale (3.7e-40 for keys of 1e-36); it is
+    held at the range's floor."""
+    from msa.scales import FP32_SCALE_RANGE, check_scale, check_scale_value
+    layout, cache, key, value, k, v, k_s = _write_all("nvfp4", gen, magnitude=1e-36)
+    assert float(k_s) == FP32_SCALE_RANGE[0]
+    check_scale_value("k_scale", check_scale("k_scale", k_s, k_s.device))  # accepted
+    assert (k - key).abs().max() <= 1e-36  # (tiny values: their block scales carry them, or they round to 0)

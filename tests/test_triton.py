@@ -366,16 +366,112 @@ def test_the_backend_options_are_choose_configs_overrides() -> None:
 
 # ---- a bf16 query over a quantized cache (fp16 dots on the GPU) --------------------------------
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gpu_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter, the GPU's fp16 dots for an fp8 or NVFP4 cache (the interpreter's own
+    are fp32, where nothing overflows); the fit is then decided as on the GPU."""
+    from msa.backends.triton import launch
+    if DEVICE == "cpu":
+        monkeypatch.setattr(launch, "_compute_dtype", lambda q_dtype, cache_dtype, config: (tl.float16, "ieee"))
+
+
+def _fit_backend(form: str) -> TritonBackend:
+    if form == "swap_ab":
+        return TritonBackend(num_splits=2, swap_ab=True)
+    return TritonBackend(num_splits=2, dedup=form == "dedup")
+
+
+def _fit_step(layout: str, form: str, gen: torch.Generator, num_q_heads: int = 8) -> dict[str, Any]:
+    if form == "swap_ab" and layout != "nvfp4":
+        pytest.skip("swap-AB is an NVFP4 walk")
+    built = build(Case(layout=layout, batch=2, query_len=3, num_q_heads=num_q_heads, num_kv_heads=2, topk=3,
+                       max_blocks=5), gen)
+    return dict(built.kwargs)
+
+
+def _atol(kw: dict[str, Any]) -> float:
+    return gpu_atol(kw)  # (fp16 weights on both devices here)
+
+
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 @pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e5, 1e30])
 def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: float, gen: torch.Generator,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU a bf16 query over an fp8 or NVFP4 cache meets the cache in fp16 dots: each head
-    is scaled by a power of two into fp16's range first and its scores take it back (a query past
-    65504 was inf there, every output of its row NaN). The interpreter's dots are fp32, so on the
-    CPU the fit is forced: its scaling and undoing must be exact at every magnitude."""
-    _check_fitted_query(layout, form, magnitude, gen, monkeypatch)
+    """A bf16 query over an fp8 or NVFP4 cache meets the cache in fp16 dots: each head is scaled by
+    a power of two into fp16's range first and its scores take it back. Without that a query past
+    65504 was inf there (every output of its row NaN) and one below 2^-24 was 0 (checked: the
+    control run without the fit fails at 1e5 and 1e-30). `sm_scale` takes the magnitude back, so
+    that the scores stay well-conditioned for the fp32 reference (scores ~1e5 are not: 0.026 apart
+    on an H100)."""
+    _gpu_dots(monkeypatch)
+    kw = _fit_step(layout, form, gen)
+    kw["q"] = (kw["q"].float() * magnitude).bfloat16()
+    kw["sm_scale"] = kw["q"].shape[-1] ** -0.5 / magnitude
+    out, lse = run_triton(kw, _fit_backend(form), DEVICE)
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
+    if magnitude in (1e5, 1e-30):  # the control: the same step without the fit is wrong
+        from msa.backends.triton import launch
+        with monkeypatch.context() as patch:  # (undone at once: the GPU test calls this again)
+            patch.setattr(launch, "_fits_q", lambda q_dtype, compute: False)
+            bad, _ = run_triton(kw, _fit_backend(form), DEVICE)
+        ref = msa.sparse_decode(**kw, backend="reference")
+        assert bad.isnan().any() or (bad.float() - ref.float()).abs().max() > 10 * _atol(kw)
+
+
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
+def test_each_head_is_fitted_alone(layout: str, form: str, gen: torch.Generator,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads of one program (a GQA group; a dedup program's rows) at 1e30, 1, 1e-30 and with an Inf
+    element: each finite head's answer is the reference's (one factor for the program flushed the
+    small heads to 0 beside a large or Inf one: uniform attention, silently wrong); the Inf head
+    changes no other."""
+    _gpu_dots(monkeypatch)
+    kw = _fit_step(layout, form, gen)
+    q = kw["q"].float()
+    for head, factor in ((0, 1e30), (2, 1e-30), (5, 1e20)):
+        q[:, head::8] *= factor
+    kw["q"] = q.bfloat16()
+    out, _ = run_triton(kw, _fit_backend(form), DEVICE)
+    ref = msa.sparse_decode(**kw, backend="reference").cpu()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=_atol(kw))
+    q = kw["q"].clone()
+    q[:, 3, 0] = float("inf")  # one element of head 3 of every row
+    kw["q"] = q
+    poisoned, _ = run_triton(kw, _fit_backend(form), DEVICE)
+    others = [h for h in range(8) if h != 3]
+    torch.testing.assert_close(poisoned[:, others].float(), out[:, others].float(), rtol=0, atol=0)
+
+
+def test_a_row_that_attends_nothing_moves_no_fit(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dedup program's row whose list is all -1 attends nothing (semantics: its query changes
+    nothing): at 1e30 it must not move its siblings' fit."""
+    _gpu_dots(monkeypatch)
+    kw = _fit_step("fp8_e4m3", "dedup", gen)
+    ids = kw["topk_indices"].clone()
+    ids[:, 0] = -1  # row 0 (request 0's first token) selects nothing
+    kw["topk_indices"] = ids
+    q = kw["q"].float()
+    q[0] *= 1e30
+    kw["q"] = q.bfloat16()
+    out, lse = run_triton(kw, _fit_backend("dedup"), DEVICE)
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
+
+
+def test_the_fitted_score_factor_stays_finite(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sm_scale` at the top of the range times a large head's factor passed float32's largest:
+    a score of exactly 0 (zero keys) became 0 x Inf = NaN. The factor is held finite."""
+    _gpu_dots(monkeypatch)
+    kw = _fit_step("fp8_e4m3", "per_token", gen)
+    kw["kv_cache"] = kw["kv_cache"].clone()
+    kw["kv_cache"][..., : kw["q"].shape[-1]] = 0  # every key 0: every score 0
+    kw["q"] = torch.full_like(kw["q"], 65536.0)
+    kw["sm_scale"], kw["k_scale"], kw["v_scale"] = 1.6e38, 1.0, 1.0
+    out, lse = run_triton(kw, _fit_backend("per_token"), DEVICE)
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
 
 
 @pytest.mark.gpu
@@ -383,28 +479,7 @@ def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: fl
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 def test_bf16_query_past_fp16_range_on_gpu(layout: str, form: str, gen: torch.Generator,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fp16 dots themselves (the GPU gate): queries of 1e5, 1e30 and 1e-30 against the reference."""
+    """The fp16 dots themselves (the GPU gate): the magnitudes and the heads fitted alone."""
     for magnitude in (1e5, 1e30, 1e-30):
-        _check_fitted_query(layout, form, magnitude, gen, monkeypatch)
-
-
-def _check_fitted_query(layout: str, form: str, magnitude: float, gen: torch.Generator,
-                        monkeypatch: pytest.MonkeyPatch) -> None:
-    if form == "swap_ab" and layout != "nvfp4":
-        pytest.skip("swap-AB is an NVFP4 walk")
-    from msa.backends.triton import launch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        monkeypatch.setattr(launch, "_fits_q", lambda q_dtype, compute: q_dtype == torch.bfloat16)
-    built = build(Case(layout=layout, batch=2, query_len=3, num_q_heads=8, num_kv_heads=2, topk=3, max_blocks=5),
-                  gen)
-    kw = dict(built.kwargs)
-    kw["q"] = (kw["q"].float() * magnitude).bfloat16()
-    # the scores as without the magnitude (a softmax of scores ~1e5 is too ill-conditioned for
-    # an fp32 reference to judge, measured on an H100: 0.026 apart), the query's elements past
-    # fp16's range (or below its subnormals) all the same
-    kw["sm_scale"] = kw["q"].shape[-1] ** -0.5 / magnitude
-    backend = TritonBackend(num_splits=2, dedup=form == "dedup", **({"swap_ab": True} if form == "swap_ab" else {}))
-    out, lse = run_triton(kw, backend, device)
-    kw_dev = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    assert_matches_reference(kw_dev, out, lse, rtol=2**-7, atol=gpu_atol(kw) if device == "cuda" else 2e-4)
+        test_bf16_query_fitted_into_fp16_range(layout, form, magnitude, gen, monkeypatch)
+    test_each_head_is_fitted_alone(layout, form, gen, monkeypatch)

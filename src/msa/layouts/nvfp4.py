@@ -17,7 +17,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite
-from msa.scales import Scale, apply_scale, check_scale
+from msa.scales import FP32_SCALE_RANGE, Scale, apply_scale, check_scale
 
 __all__ = [
     "NVFP4",
@@ -183,7 +183,10 @@ class NVFP4HeadSlotLayout(KVLayout):
         # the finite values written now set the global scale (one Inf must not make it Inf and
         # every code NaN); no host synchronisation
         amax = torch.where(keep & data.isfinite(), data.abs(), 0).amax().float()
-        return torch.where(amax > 0, _ieee_quotient(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax)).reshape(1)
+        chosen = torch.where(amax > 0, _ieee_quotient(amax, E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+        # at least the smallest scale every entry point accepts (`FP32_SCALE_RANGE`): values below
+        # 2^-125 * 2688 get smaller block scales (or round to 0) instead of a scale msa refuses
+        return chosen.clamp(min=FP32_SCALE_RANGE[0]).reshape(1)
 
     def _store_kernel(
         self,

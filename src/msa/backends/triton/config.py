@@ -41,9 +41,9 @@ class LaunchConfig:
     num_warps, num_stages: Triton launch parameters.
     compute: dtype of the tensor-core dots for quantized caches ("fp16" or "bf16"; both are
         exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype). With
-        "fp16" a bf16 query is first scaled by a power of two into fp16's range (a program's
-        largest magnitude in [2^14, 2^15)), the scores taking it back: exact for every element
-        from 2^-31 of the program's largest, at any magnitude (`kernels._fit_q`).
+        "fp16" each head of a bf16 query is first scaled by a power of two into fp16's range (its
+        largest finite magnitude in [2^14, 2^15)), its scores taking it back: exact for every
+        element from 2^-31 of its head's largest, at any magnitude (`kernels._fit_q`).
     decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
         portable Triton decode (the interpreter always uses it). The values are the same.
     codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.

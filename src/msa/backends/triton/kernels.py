@@ -152,32 +152,37 @@ def _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_p
 
 
 @triton.jit
-def _fit_q(q, q2, FIT: tl.constexpr, COMPUTE: tl.constexpr):
-    """The query tile(s) in `COMPUTE`, and the factor the scores take back: 1.0, or with `FIT` (a
-    bf16 query whose dots run in fp16) the tiles times the power of two that puts the program's
-    largest query magnitude in [2^14, 2^15), inside fp16's range (a bf16 element past 65504 was
-    inf there, its row's output NaN; one below 2^-24 flushed to 0), and the inverse power of two.
-    Exact for every element from 2^-31 of the program's largest (a GQA group's heads, or a dedup
-    program's rows); one factor for the whole program, so the scores' one multiply by `qk` takes
-    it back at no cost (`_score_factor`). `q2` is NVFP4's odd half (or `q` again). Powers of two
-    built from the exponent bits (exact), the exponent clamped to [-112, 127] (NaN and Inf stay)."""
+def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
+    """The query tile(s) in `COMPUTE`, and the factor per head (heads along `AXIS`) the scores
+    take back: 1.0, or with `FIT` (a bf16 query whose dots run in fp16) each head times the power
+    of two that puts its largest finite magnitude in [2^14, 2^15), inside fp16's range (a bf16
+    element past 65504 was inf there, its row's output NaN; one below 2^-24 flushed to 0), and the
+    inverse power of two. Exact for every element from 2^-31 of its head's largest finite one; a
+    head is fitted alone (one head's magnitude, Inf or NaN never moves another's), and its Inf and
+    NaN elements stay what they are. `q2` is NVFP4's odd half (or `q` again). Powers of two built
+    from the exponent bits (exact), the exponent clamped to [-112, 127]."""
     qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(qf)), tl.max(tl.abs(qf2)))
+    a1 = tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0)
+    a2 = tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0)
+    amax = tl.maximum(tl.max(a1, axis=1 - AXIS), tl.max(a2, axis=1 - AXIS))
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.minimum(tl.maximum(e, -112), 127)
-    up = ((141 - e) << 23).to(tl.float32, bitcast=True)
+    up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
     down = ((113 + e) << 23).to(tl.float32, bitcast=True)
     if not FIT:
-        up = tl.full([], 1.0, tl.float32)
-        down = tl.full([], 1.0, tl.float32)
+        up = tl.full(up.shape, 1.0, tl.float32)
+        down = tl.full(down.shape, 1.0, tl.float32)
     return (qf * up).to(COMPUTE), (qf2 * up).to(COMPUTE), down
 
 
 @triton.jit
-def _score_factor(qk, q_back, FIT: tl.constexpr):
-    """The scores' factor: `qk`, or for a fitted query (`_fit_q`) `qk` times its factor back."""
+def _score_factor(qk, q_back, AXIS: tl.constexpr, FIT: tl.constexpr):
+    """The scores' factor: `qk`, or for a fitted query (`_fit_q`) `qk` times each head's factor
+    back (heads along `AXIS`), broadcastable against the scores: the one multiply the scores took
+    anyway. Held below float32's largest finite value, so that a score of 0 stays 0 (`qk` itself
+    passed the range check; its product with a large head's factor may not)."""
     if FIT:
-        qk = qk * q_back
+        qk = tl.expand_dims(tl.minimum(qk * q_back, 3.4028234663852886e38), 1 - AXIS)
     return qk
 
 
@@ -331,8 +336,8 @@ def split_decode_kernel(
     q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    q, _, q_back = _fit_q(q, q, Q_FIT, COMPUTE)
-    qk = _score_factor(qk, q_back, Q_FIT)
+    q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
+    qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
                                        stride_th, stride_tr, stride_tk, stride_bt, TOPK, TOPK_PAD)
@@ -475,8 +480,8 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_even = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :], mask=g_mask[:, None], other=0.0)
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    q_even, q_odd, q_back = _fit_q(q_even, q_odd, Q_FIT, COMPUTE)
-    qk = _score_factor(qk, q_back, Q_FIT)
+    q_even, q_odd, q_back = _fit_q(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, COMPUTE)
+    qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
     acc_odd = acc_even
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -574,14 +579,14 @@ def split_dedup_kernel(
     if BLOCK_SCALED:
         q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)  # the even elements
         q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        q, q_odd, q_back = _fit_q(q, q_odd, Q_FIT, COMPUTE)
+        q, q_odd, q_back = _fit_q(q, q_odd, 0, Q_FIT, COMPUTE)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
         q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
-        q, _, q_back = _fit_q(q, q, Q_FIT, COMPUTE)
+        q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    qk = _score_factor(qk, q_back, Q_FIT)
+    qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     # the chunk's entries: token ei's entry et; resolved once (no dependent loads in the loop)
     e = tl.arange(0, ENTRIES_PAD)
