@@ -58,10 +58,10 @@ def main() -> None:
                 times: dict[str, list[float]] = {"fit": [], "no fit": []}
                 errors = {}
                 for name in ("fit", "no fit", "fit"):
-                    launch._fits_q = fit if name == "fit" else (lambda q_dtype, compute: False)  # type: ignore[assignment]
+                    launch._fits_q = fit if name == "fit" else (lambda q_dtype, compute: False)
                     call, errors[name] = _step(layout, batch, length)
                     times[name].append(timer.graph(call))
-                launch._fits_q = fit  # type: ignore[assignment]
+                launch._fits_q = fit
                 rows.append([layout, length, batch, *(round(min(times[n]), 1) for n in ("fit", "no fit")),
                              f"{errors['fit']:.1e}", f"{errors['no fit']:.1e}"])
                 print(rows[-1], flush=True)
