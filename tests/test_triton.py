@@ -391,10 +391,6 @@ def _fit_step(layout: str, form: str, gen: torch.Generator, num_q_heads: int = 8
     return dict(built.kwargs)
 
 
-def _atol(kw: dict[str, Any]) -> float:
-    return gpu_atol(kw)  # (fp16 weights on both devices here)
-
-
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 @pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e5, 1e30])
@@ -411,14 +407,14 @@ def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: fl
     kw["q"] = (kw["q"].float() * magnitude).bfloat16()
     kw["sm_scale"] = kw["q"].shape[-1] ** -0.5 / magnitude
     out, lse = run_triton(kw, _fit_backend(form), DEVICE)
-    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
     if magnitude in (1e5, 1e-30):  # the control: the same step without the fit is wrong
         from msa.backends.triton import launch
         with monkeypatch.context() as patch:  # (undone at once: the GPU test calls this again)
             patch.setattr(launch, "_fits_q", lambda q_dtype, compute: False)
             bad, _ = run_triton(kw, _fit_backend(form), DEVICE)
         ref = msa.sparse_decode(**kw, backend="reference")
-        assert bad.isnan().any() or (bad.float() - ref.float()).abs().max() > 10 * _atol(kw)
+        assert bad.isnan().any() or (bad.float() - ref.float()).abs().max() > 10 * gpu_atol(kw)
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
@@ -437,7 +433,7 @@ def test_each_head_is_fitted_alone(layout: str, form: str, gen: torch.Generator,
     kw["q"] = q.bfloat16()
     out, _ = run_triton(kw, _fit_backend(form), DEVICE)
     ref = msa.sparse_decode(**kw, backend="reference").cpu()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=_atol(kw))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=gpu_atol(kw))
     q = kw["q"].clone()
     q[:, 3, 0] = float("inf")  # one element of head 3 of every row
     kw["q"] = q
@@ -458,7 +454,7 @@ def test_a_row_that_attends_nothing_moves_no_fit(gen: torch.Generator, monkeypat
     q[0] *= 1e30
     kw["q"] = q.bfloat16()
     out, lse = run_triton(kw, _fit_backend("dedup"), DEVICE)
-    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
 
 
 def test_the_fitted_score_factor_stays_finite(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,7 +467,7 @@ def test_the_fitted_score_factor_stays_finite(gen: torch.Generator, monkeypatch:
     kw["q"] = torch.full_like(kw["q"], 65536.0)
     kw["sm_scale"], kw["k_scale"], kw["v_scale"] = 1.6e38, 1.0, 1.0
     out, lse = run_triton(kw, _fit_backend("per_token"), DEVICE)
-    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=_atol(kw))
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ Scale = float | torch.Tensor
 #: spare): float32's normal range. Past it a scale is inf or loses its bits in float32, where the
 #: kernels and the reference compute (a finite python double such as 1e39 turned every output NaN).
 FP32_SCALE_RANGE = (2.0**-125, float(torch.finfo(torch.float32).max) / 2)
-_RANGE_TEXT = "a finite scale > 0 within float32's normal range [2^-125, 1.7e38]"
+_RANGE = "float32's normal range [2^-125, 1.7e38]"
+_RANGE_TEXT = f"a finite scale > 0 within {_RANGE}"
 
 
 def _in_range(x: float) -> bool:
@@ -88,7 +89,7 @@ def check_score_factor(sm_scale: Scale, q_scale: Scale, k_scale: Scale) -> None:
     x = float(sm_scale) * float(q_scale) * float(k_scale)
     if not _in_range(x):
         raise MSAInputError("sm_scale * q_scale * k_scale",
-                            "a product within float32's normal range [2^-125, 1.7e38] (the scores' factor)", repr(x))
+                            f"a product within {_RANGE} (the scores' factor)", repr(x))
 
 
 def scale_tensor(value: Scale, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["row_positions", "request_starts"]
+__all__ = ["row_positions", "request_starts", "INT32_MAX"]
+
+#: The largest value of the int32 tables, index lists and lengths a step is given (a page id
+#: past it, from an int64 source, must be kept past every cache, never wrapped onto a real page).
+INT32_MAX = torch.iinfo(torch.int32).max
 
 
 def request_starts(query_start_loc: torch.Tensor, num_rows: int, decode_query_len: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ __all__ = [
     "output_dtype",
     "validation_requested",
     "check_tensor",
+    "check_dims",
     "check_int32",
     "check_disjoint",
     "byte_span",
@@ -98,6 +99,15 @@ def check_tensor(
         raise MSAInputError(argument, "a torch.Tensor", type(value).__name__)
     if device is not None and value.device != device:
         raise MSAInputError(argument, f"a tensor on {device} ({whose})", value.device)
+    return value
+
+
+def check_dims(argument: str, value: object, dim: int, expected: str) -> torch.Tensor:
+    """`value` as a tensor of `dim` dimensions, or an `MSAInputError` naming `argument` with
+    `expected` and what was given (its shape, or its type)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != dim:
+        given = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise MSAInputError(argument, expected, given)
     return value
 
 

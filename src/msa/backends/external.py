@@ -20,13 +20,13 @@ from msa.planning import RowMetadata
 from msa.platform import stream_capturing
 from msa.problem import DecodeProblem
 from msa.scales import Scale
+from msa.semantics import INT32_MAX
 from msa.validation import DecodeInputs
 
 __all__ = ["import_first", "library_version", "stream_capturing", "host_scalar", "TopkCompactor"]
 
-_INT32_MAX = torch.iinfo(torch.int32).max
 #: Sorts after every block id: marks the entries a list drops.
-_LAST = _INT32_MAX
+_LAST = INT32_MAX
 
 
 def import_first(backend: str, modules: tuple[str, ...], attributes: tuple[str, ...]) -> ModuleType:
@@ -128,7 +128,7 @@ class TopkCompactor:
         # visible blocks: ceil((q_pos + 1) / P) for q_pos >= -1, never past the table (in int32:
         # the position is first clamped to the table's reach, so adding P cannot overflow)
         size = self.page_size
-        torch.clamp(self.rows.q_pos, max=min(width * size, _INT32_MAX - size), out=limit)
+        torch.clamp(self.rows.q_pos, max=min(width * size, INT32_MAX - size), out=limit)
         limit.add_(size).floor_divide_(size).clamp_(max=width)
         torch.ge(ids, 0, out=used)
         torch.lt(ids, limit.view(1, -1, 1), out=mask)

@@ -10,6 +10,7 @@ from msa.backends.capabilities import Capabilities
 from msa.planning import StepTables, resolve_entries
 from msa.problem import DecodeProblem
 from msa.scales import Scale, scale_tensor
+from msa.semantics import INT32_MAX
 from msa.validation import DecodeInputs
 
 __all__ = ["ReferenceBackend", "CHUNK_BYTES"]
@@ -32,7 +33,7 @@ class ReferenceBackend(Backend[DecodeProblem]):
     description = "docs/semantics.md §3 in float32 torch on any device (the oracle; slow)"
     capabilities = Capabilities(
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
-        query_lens=(1, 2**31 - 1),
+        query_lens=(1, INT32_MAX),
         lse=True,
         ragged=True,
     )

@@ -12,9 +12,9 @@ from msa.distributed.agreement import Fact, agree, dims, dtype_code, name_code
 from msa.distributed.checks import check_coverage, check_outputs_apart, run_checked, shard_usage
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import GroupInfo, ProcessGroup, group_info
-from msa.errors import MSAInputError, check_flag, is_int
+from msa.errors import check_flag, is_int
 from msa.layouts import KVCache
-from msa.validation import check_decode_inputs, output_dtype, validation_requested
+from msa.validation import check_decode_inputs, check_dims, output_dtype, validation_requested
 
 __all__ = ["sparse_decode"]
 
@@ -181,10 +181,7 @@ def _local_step(
     out = options.get("out")
     chosen = check_method(method if method is not None else ("reduce_scatter" if scatter_heads else "all_gather"),
                           scatter_heads)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        given = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise MSAInputError("q", "a 3-D tensor [B*L, Hq, D]", given)
-    rows, heads, dim = q.shape
+    rows, heads, dim = check_dims("q", q, 3, "a 3-D tensor [B*L, Hq, D]").shape
     exchange = Exchange(
         info, rows=rows, heads=heads, head_dim=dim, dtype=output_dtype(q.dtype), device=q.device, method=chosen,
         scatter_heads=scatter_heads, reduce_dtype=reduce_dtype, heads_from="q / method",

@@ -16,14 +16,13 @@ from msa.distributed.combine import combine_partials
 from msa.distributed.exchange import METHODS, Exchange, check_method
 from msa.distributed.group import ProcessGroup, group_info
 from msa.errors import MSAInputError, check_flag
+from msa.validation import check_dims
 
 __all__ = ["combine_partials", "merge_partials", "merge_partials_scattered"]
 
 
 def _check_partials(out: object, lse: object) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(out, torch.Tensor) or out.dim() != 3:
-        given = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise MSAInputError("out", "a tensor [T, Hq, D] (this rank's partial output)", given)
+    out = check_dims("out", out, 3, "a tensor [T, Hq, D] (this rank's partial output)")
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(out.shape[:2]):
         given = f"shape {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         raise MSAInputError("lse", f"a tensor of shape {tuple(out.shape[:2])} ([T, Hq] of out)", given)

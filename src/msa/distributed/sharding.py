@@ -30,9 +30,7 @@ import torch
 
 from msa.errors import MSAInputError, is_int
 from msa.layouts import KVCache, KVLayout, get_layout
-
-#: The largest page id an int32 table holds.
-_INT32_MAX = torch.iinfo(torch.int32).max
+from msa.semantics import INT32_MAX
 
 __all__ = [
     "block_owner",
@@ -238,7 +236,7 @@ def rank_table_from_virtual(
     entries = table[:, virtual.clamp(max=max(table.shape[1] - 1, 0))] if table.shape[1] else table.new_full(shape, -1)
     pages = entries.long() * interleave + (col % interleave)
     owned = _owned_mask(shape, table.device, rank, world_size, interleave, rotation)
-    keep = inside & owned & (entries >= 0) & (pages <= _INT32_MAX)  # (a page past int32 would wrap onto a real one)
+    keep = inside & owned & (entries >= 0) & (pages <= INT32_MAX)  # (a page past int32 would wrap onto a real one)
     result = torch.where(keep, pages, -1).to(torch.int32)
     if out is None:
         return result

@@ -41,6 +41,7 @@ from msa.integrations.sglang_kernels import BLOCK, sglang_tables_kernel
 from msa.launcher import DirectKernel, direct_launch_enabled, interpreting, unit_stride
 from msa.planning import tensor_versions
 from msa.platform import current_stream_key
+from msa.semantics import INT32_MAX
 from msa.validation import check_tensor
 
 __all__ = ["flash_decode_with_gqa_share_sparse", "sglang_block_table", "step_tables", "pools_as_pages"]
@@ -69,7 +70,7 @@ def sglang_block_table(req_to_token: torch.Tensor, slot_ids: torch.Tensor, block
     int64 slot's page outside int32 kept outside every cache, not wrapped onto a real page)."""
     firsts = req_to_token.index_select(0, slot_ids.long())[:, ::block_size]
     pages = torch.div(firsts, block_size, rounding_mode="floor")
-    return pages.clamp(-1, 2**31 - 1).to(torch.int32)
+    return pages.clamp(-1, INT32_MAX).to(torch.int32)
 
 
 def step_tables(

@@ -45,6 +45,7 @@ import torch
 from msa.api import sparse_decode
 from msa.errors import MSAInputError, MSAUnsupportedError, is_int
 from msa.layouts import refuse_unread_fp8
+from msa.validation import check_dims
 
 __all__ = ["minimax_m3_sparse_attn_decode", "RAGGED_MAX_QUERY_LEN"]
 
@@ -95,9 +96,7 @@ def minimax_m3_sparse_attn_decode(
         MSAInputError: an argument breaks vLLM's contract (named, with what was expected).
         MSAUnsupportedError: per-slot scales, or an fp8 cache msa does not read (e5m2, fnuz).
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        given = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise MSAInputError("q", "a 3-D tensor [total_q, Hq, D]", given)
+    q = check_dims("q", q, 3, "a 3-D tensor [total_q, Hq, D]")
     if not isinstance(output, torch.Tensor):  # (vLLM's caller owns the result: it is written in place)
         raise MSAInputError("output", "a tensor [total_q, Hq, D], written in place", type(output).__name__)
     if not is_int(num_kv_heads):

@@ -161,18 +161,18 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
     head is fitted alone (one head's magnitude, Inf or NaN never moves another's), and its Inf and
     NaN elements stay what they are. `q2` is NVFP4's odd half (or `q` again). Powers of two built
     from the exponent bits (exact), the exponent clamped to [-112, 127]."""
-    qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
-    a1 = tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0)
-    a2 = tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0)
-    amax = tl.maximum(tl.max(a1, axis=1 - AXIS), tl.max(a2, axis=1 - AXIS))
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.minimum(tl.maximum(e, -112), 127)
-    up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
-    down = ((113 + e) << 23).to(tl.float32, bitcast=True)
-    if not FIT:
-        up = tl.full(up.shape, 1.0, tl.float32)
-        down = tl.full(down.shape, 1.0, tl.float32)
-    return (qf * up).to(COMPUTE), (qf2 * up).to(COMPUTE), down
+    down = 1.0  # (unfitted: the scores' factor is `qk` as it is, `_score_factor`)
+    if FIT:
+        qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
+        a1 = tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0)
+        a2 = tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0)
+        amax = tl.maximum(tl.max(a1, axis=1 - AXIS), tl.max(a2, axis=1 - AXIS))
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.minimum(tl.maximum(e, -112), 127)
+        up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
+        down = ((113 + e) << 23).to(tl.float32, bitcast=True)
+        q, q2 = qf * up, qf2 * up
+    return q.to(COMPUTE), q2.to(COMPUTE), down
 
 
 @triton.jit
