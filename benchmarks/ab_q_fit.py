@@ -28,7 +28,8 @@ def _step(step: DecodeStep, layout: str, length: int) -> tuple[Callable[[], obje
     """A planned graph-capturable call of `step` on a fresh planner (the launcher decides the fit,
     as patched, when it first meets the step), and its error against the reference."""
     kw = step.kwargs()
-    planner = msa.DecodePlanner(msa.MINIMAX_M3, kv_cache_dtype=layout, backend="triton", device="cuda")
+    planner = msa.DecodePlanner(step.geometry, kv_cache_dtype=layout, backend="triton", device="cuda",
+                                q_dtype=kw["q"].dtype)
     out = torch.empty_like(kw["q"])
     plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=length)
 

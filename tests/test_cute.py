@@ -118,13 +118,23 @@ def test_the_wgmma_kernel_serves_fp8_nvfp4_and_16_bit_caches_on_sm90_with_pages_
 
 
 @pytest.mark.parametrize("layout", ["bfloat16", "float16"])
-def test_16_bit_caches_are_the_wgmma_kernels_and_auto_leaves_them_to_triton(layout: str) -> None:
+def test_16_bit_caches_are_the_wgmma_kernels_and_auto_takes_the_measured_band(layout: str) -> None:
     """bf16 and f16 caches: only the wgmma kernel reads them (the mma kernel, asked for, or a GPU or
-    page size the wgmma kernel cannot serve, is refused with why), and `auto` does not choose the
-    backend for them (not yet timed against Triton) while a request by name runs them."""
+    page size the wgmma kernel cannot serve, is refused with why); `auto` chooses the backend for
+    them where it measured faster than Triton (`config.WGMMA_AUTO_16_BIT`: one query row, 8-head
+    CTAs, from 16 programs) and says why elsewhere, while a request by name runs every step."""
     backend = CuteBackend()
+    tp8, tp4 = msa.MINIMAX_M3_TP[8], msa.MINIMAX_M3_TP[4]
     assert not backend.problem_reasons(_wide(8, layout), _hopper(), requested=True)
-    assert any("chosen automatically only for" in r for r in backend.problem_reasons(_wide(8, layout), _hopper()))
+    assert not backend.problem_reasons(_wide(16, layout, tp8), _hopper())  # 16 programs of 8 heads
+    assert not backend.problem_reasons(_wide(256, layout, tp8), _hopper())
+    few = backend.problem_reasons(_wide(15, layout, tp8), _hopper())
+    assert any("fewer than 16 (row, KV head, head chunk) programs of 8 heads" in r for r in few), few
+    for problem in (_wide(64, layout, tp4), _wide(64, layout), attrs.evolve(_wide(64, layout, tp8), query_len=2)):
+        reasons = backend.problem_reasons(problem, _hopper())
+        assert any(f"auto: a {layout} cache's steps only with one query row a step and at most 8 query heads"
+                   in r for r in reasons), reasons
+        assert not backend.problem_reasons(problem, _hopper(), requested=True)
     small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)
     blackwell = attrs.evolve(_hopper(), capability=(10, 0))
     for chosen, problem, platform, why in ((backend, _wide(8, layout, small_pages), _hopper(), "page size 32"),

@@ -15,7 +15,7 @@ from cases import Case, build, gpu_atol
 import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
-from msa.backends.triton.kernels import _nvfp4_scale_bytes
+from msa.backends.triton.kernels import _nvfp4_scale_bytes, _q_low
 from msa.errors import MSAInputError
 from msa.layouts.nvfp4 import scale_byte_index
 from msa.validation import check_decode_inputs
@@ -391,12 +391,15 @@ def _fit_step(layout: str, form: str, gen: torch.Generator, num_q_heads: int = 8
     return dict(built.kwargs)
 
 
-@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+FIT_LAYOUTS = ["fp8_e4m3", "nvfp4", "float16"]  # the caches a bf16 query meets in fp16 dots
+
+
+@pytest.mark.parametrize("layout", FIT_LAYOUTS)
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 @pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e5, 1e30])
 def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: float, gen: torch.Generator,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 query over an fp8 or NVFP4 cache meets the cache in fp16 dots: each head is scaled by
+    """A bf16 query over an fp8, NVFP4 or fp16 cache meets the cache in fp16 dots: each head is scaled by
     a power of two into fp16's range first and its scores take it back. Without that a query past
     65504 was inf there (every output of its row NaN) and one below 2^-24 was 0 (checked: the
     control run without the fit fails at 1e5 and 1e-30). `sm_scale` takes the magnitude back, so
@@ -417,7 +420,7 @@ def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: fl
         assert bad.isnan().any() or (bad.float() - ref.float()).abs().max() > 10 * gpu_atol(kw)
 
 
-@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("layout", FIT_LAYOUTS)
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 def test_each_head_is_fitted_alone(layout: str, form: str, gen: torch.Generator,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,7 +474,7 @@ def test_the_fitted_score_factor_stays_finite(gen: torch.Generator, monkeypatch:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("layout", FIT_LAYOUTS)
 @pytest.mark.parametrize("form", ["per_token", "dedup", "swap_ab"])
 def test_bf16_query_past_fp16_range_on_gpu(layout: str, form: str, gen: torch.Generator,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -479,3 +482,53 @@ def test_bf16_query_past_fp16_range_on_gpu(layout: str, form: str, gen: torch.Ge
     for magnitude in (1e5, 1e30, 1e-30):
         test_bf16_query_fitted_into_fp16_range(layout, form, magnitude, gen, monkeypatch)
     test_each_head_is_fitted_alone(layout, form, gen, monkeypatch)
+
+
+# ---- an f16 query meeting bf16 dots (a bf16 cache) ----------------------------------------------
+
+
+@triton.jit
+def _q_low_probe(q_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    q = tl.load(q_ptr + i)
+    tl.store(hi_ptr + i, q.to(tl.bfloat16).to(tl.float32))
+    tl.store(lo_ptr + i, _q_low(q, True, tl.bfloat16).to(tl.float32))
+
+
+def test_an_f16_query_is_two_exact_bf16_terms(gen: torch.Generator) -> None:
+    """`kernels._q_low`: an f16 query element is bf16(q) + low exactly, low itself a bf16 (f16's 11
+    significant bits in two bf16 terms; f16's largest, smallest normal and subnormals, signed
+    zeros and random elements), and low is 0 where bf16(q) is Inf or NaN."""
+    special = [65504.0, -65504.0, 6.1035e-05, 5.96e-08, -5.96e-08, 0.0, -0.0, 1.0 + 2**-10, 3.0 - 2**-9]
+    finite = torch.cat([torch.tensor(special), torch.randn(242, generator=gen) * 100]).half()
+    q = torch.cat([finite, torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=torch.half),
+                   torch.zeros(2, dtype=torch.half)])  # (256: a power of two)
+    hi, lo = torch.empty(len(q)), torch.empty(len(q))
+    _q_low_probe[(1,)](q, hi, lo, N=len(q))
+    n = len(finite)
+    assert torch.equal(lo, lo.bfloat16().float())  # each term is a bf16
+    assert torch.equal(hi[:n].double() + lo[:n].double(), finite.double())
+    assert (lo[n:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["per_token", "dedup"])
+def test_f16_query_over_a_bf16_cache_on_gpu(form: str, gen: torch.Generator,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An f16 query over a bf16 cache runs bf16 dots as two terms (`launch._splits_q`; they ran in
+    fp32 IEEE before, ~30x slower): its scores are the f16 query's, as the reference's LSE shows
+    at 1e-5. Control: the same step with the query rounded to bf16 (the split off) moves the LSE
+    by ~1e-2 (scores of std ~8)."""
+    from msa.backends.triton import launch
+
+    built = build(Case(layout="bfloat16", batch=2, query_len=3, num_q_heads=8, num_kv_heads=2, topk=3,
+                       max_blocks=5, q_dtype=torch.float16), gen)
+    kw = dict(built.kwargs, sm_scale=1.0)
+    out, lse = run_triton(kw, _fit_backend(form), DEVICE)
+    assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "_splits_q", lambda q_dtype, compute: False)
+        _, bad = run_triton(kw, _fit_backend(form), DEVICE)
+    ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)[1].cpu()
+    seen = ~torch.isneginf(ref_lse)
+    assert (bad[seen] - ref_lse[seen]).abs().max() > 4e-3

@@ -12,16 +12,16 @@ group, bf16 / f16 / fp8 queries, natural-log LSE. Two kernels:
   decoded into f16 registers for an exact product; NVFP4: keys and values decoded into f16
   operand registers; bf16 / f16: both products read the ring's stages as stored, the query in
   terms of the cache's type, exact). The default wherever it serves; the only one for bf16 and
-  f16, which `auto` leaves to the Triton backend (within 1-7% of it at B >= 16 on the H200, slower
-  at B = 1: benchmarks/RESULTS.md, session 27).
+  f16.
 
-`auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV
-head, head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of
-16-head ones, NVFP4 16), for the other NVFP4 steps of at least `AUTO_MIN_PROGRAMS` (row, KV head) programs and
-for no other fp8 step, eager or captured in CUDA graphs alike (launches pack their own arguments:
-`fastcall`), except NVFP4 multi-token steps the Triton dedup kernel serves (the wgmma kernel
-measured faster than it on fp8 with and without shared pages); the Triton backend stays the
-portable default. Requested by name it runs any step it supports."""
+`auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head,
+head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of 16-head ones,
+NVFP4 16; bf16 and f16 caches only at one query row and 8-head CTAs, where it measured 2-7% faster
+than the Triton kernel: `WGMMA_AUTO_16_BIT`), for the other NVFP4 steps of at least
+`AUTO_MIN_PROGRAMS` (row, KV head) programs and for no other fp8 step, eager or captured in CUDA
+graphs alike (launches pack their own arguments: `fastcall`), except NVFP4 multi-token steps the
+Triton dedup kernel serves (the wgmma kernel measured faster than it on fp8 with and without shared
+pages); the Triton backend stays the portable default. Requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from msa.backends.cute.config import (
     Q_KINDS,
     SM90_SMEM,
     VERIFIED_DSL_VERSIONS,
+    WGMMA_AUTO_16_BIT,
     WGMMA_DEFAULT_LAYOUTS,
     WGMMA_DEFAULT_TOKENS,
     WGMMA_EVICT,
@@ -142,7 +143,7 @@ class CuteBackend(Backend[CutePlan]):
         min_capability=(9, 0),
         packages=("cutlass_dsl",),
         kv_layouts=frozenset({"nvfp4", "fp8_e4m3"}) | WGMMA_ONLY_LAYOUTS,
-        auto_layouts=frozenset({"nvfp4", "fp8_e4m3"}),
+        auto_layouts=frozenset({"nvfp4", "fp8_e4m3"}) | WGMMA_ONLY_LAYOUTS,
         q_dtypes=frozenset({torch.bfloat16, torch.float16, torch.float8_e4m3fn}),
         head_dims=frozenset({128}),
         query_lens=(1, 32),
@@ -203,7 +204,10 @@ class CuteBackend(Backend[CutePlan]):
         fp8 = problem.kv_layout == "fp8_e4m3"
         on_wgmma = wgmma_why is None and self.kernel_for(problem, platform) == "wgmma"
         least = wgmma_auto_min_programs(problem)
-        if not requested and on_wgmma and wgmma_programs(problem) < least:
+        if not requested and on_wgmma and least is None:
+            reasons.append(f"auto: a {problem.kv_layout} cache's steps only with {WGMMA_AUTO_16_BIT}, where the "
+                           "wgmma kernel measured faster than the Triton kernel")
+        elif not requested and on_wgmma and least is not None and wgmma_programs(problem) < least:
             reasons.append(f"auto: fewer than {least} (row, KV head, head chunk) programs of "
                            f"{wgmma_heads(g.group_size)} heads, where the Triton kernel measured as fast or faster")
         elif not requested and fp8 and not on_wgmma:

@@ -18,7 +18,8 @@ __all__ = [
     "WGMMA_EVICT", "WGMMA_EVICT_DEFAULT", "WGMMA_EVICT_FIRST_CTAS_PER_SM", "SM90_SMEM", "wgmma_serves", "wgmma_evict",
     "wgmma_heads", "wgmma_programs", "wgmma_slots", "wgmma_tiles", "wgmma_smem_bytes", "choose_wgmma_splits",
     "wgmma_ctas_per_sm",
-    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
+    "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS",
+    "WGMMA_AUTO_16_BIT", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
     "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS", "WGMMA_WIDE_8HEAD_STAGES",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
@@ -365,8 +366,21 @@ def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vr
 #: fp8 ones, since their splits merge as one cluster, from 8 (2026-12-04, session 20, `msa
 #: bench --backends triton,cute`: TP2 B = 4 12.4 against 13.1, TP4 B = 8 12.5 against 13.1,
 #: TP1 B = 4 (16 programs) 14.4 against 15.5, TP4 B = 16 14.3 against 15.3; at 4 about level:
-#: TP4 B = 4 12.0 against 12.3, TP1 B = 1 11.8 against 11.7 in session 19).
-WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("nvfp4", 16): 16}
+#: TP4 B = 4 12.0 against 12.3, TP1 B = 1 11.8 against 11.7 in session 19). bf16 and f16 caches
+#: (the same kernel reading both products from the ring as stored) at one query row: 8-head CTAs
+#: from 16 programs (`msa bench --backends triton,cute --layouts bfloat16 --tp 8`, us, cute /
+#: triton: H200 2026-12-05 session 27, B = 1 / 16 / 64 / 256: 11.6 / 11.3, 15.9 / 17.0, 30.6 /
+#: 32.7, 74.7 / 77.0; H100 session 30, B = 1 / 4 / 16 / 64 / 128 / 256: 11.9 / 11.6, 13.0 / 13.3,
+#: 18.1 / 19.4, 39.7 / 41.7, 63.1 / 63.7, 103.6 / 105.8); 16-head ones never: within 2% where they
+#: win, up to 18% slower (`WGMMA_AUTO_16_BIT`).
+WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("nvfp4", 16): 16,
+                           ("bf16", 8): 16, ("f16", 8): 16}
+#: What `auto` gives the wgmma kernel of a 16-bit cache: steps of one query row and 8-head CTAs
+#: (`WGMMA_AUTO_MIN_PROGRAMS`). 16-head CTAs measured (H100, session 30, cute / triton, us):
+#: TP4 B = 1 / 16 / 64 / 256 13.5 / 11.4, 19.9 / 19.5, 41.9 / 43.0, 104.8 / 106.0; TP2 13.8 /
+#: 12.8, 29.6 / 28.0, 64.3 / 64.1, 200.9 / 191.3; TP1 14.4 / 13.3, 41.8 / 42.1, 105.0 / 106.1,
+#: 368.0 / 361.8; several rows a step were not measured.
+WGMMA_AUTO_16_BIT = "one query row a step and at most 8 query heads a KV head"
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
@@ -411,12 +425,14 @@ def wgmma_evict(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vr
     return "first" if fp8 and problem.query_len == 1 and resident else WGMMA_EVICT_DEFAULT
 
 
-def wgmma_auto_min_programs(problem: DecodeProblem) -> int:
+def wgmma_auto_min_programs(problem: DecodeProblem) -> int | None:
     """The fewest (row, KV head, head chunk) programs `auto` gives the wgmma kernel
-    (`WGMMA_AUTO_MIN_PROGRAMS`; 0 for the 16-bit caches, which `auto` does not give the backend:
-    its `Capabilities.auto_layouts`)."""
+    (`WGMMA_AUTO_MIN_PROGRAMS`), or None where `auto` never gives it a step (a 16-bit cache's
+    steps outside `WGMMA_AUTO_16_BIT`)."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
-    return WGMMA_AUTO_MIN_PROGRAMS.get((kind, wgmma_heads(problem.geometry.group_size)), 0)
+    if kind in WIDE_KINDS and problem.query_len != 1:
+        return None
+    return WGMMA_AUTO_MIN_PROGRAMS.get((kind, wgmma_heads(problem.geometry.group_size)))
 
 
 @attrs.frozen

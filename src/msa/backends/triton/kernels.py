@@ -176,6 +176,22 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
+def _q_low(q, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
+    """The second term of a query whose dots run in a dtype of fewer significant bits (`SPLIT`: an
+    f16 query, bf16 dots): q - COMPUTE(q), itself exact in bf16 (f16's 11 significant bits are
+    two bf16 terms' 8 + 8, and f16's range lies inside bf16's), 0 where COMPUTE(q) is not finite
+    (an Inf or NaN element stays what it is in the first term). The scores are then
+    dot(COMPUTE(q), k) + dot(low, k): exact products summed in fp32, as for a query of the dots'
+    own dtype. Without `SPLIT`: zeros (never used)."""
+    low = tl.zeros_like(q).to(COMPUTE)
+    if SPLIT:
+        qf = q.to(tl.float32)
+        hi = q.to(COMPUTE).to(tl.float32)
+        low = tl.where(tl.abs(hi) < float("inf"), qf - hi, 0.0).to(COMPUTE)
+    return low
+
+
+@triton.jit
 def _score_factor(qk, q_back, AXIS: tl.constexpr, FIT: tl.constexpr):
     """The scores' factor: `qk`, or for a fitted query (`_fit_q`) `qk` times each head's factor
     back (heads along `AXIS`), broadcastable against the scores: the one multiply the scores took
@@ -328,6 +344,7 @@ def split_decode_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
     counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False,
 ):
     """Layouts of plain elements (bf16, fp16, fp8): K and V rows of `HEAD_DIM` elements."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
@@ -336,6 +353,7 @@ def split_decode_kernel(
     q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
+    q_lo = _q_low(q, Q_SPLIT, COMPUTE)
     q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
 
@@ -350,8 +368,10 @@ def split_decode_kernel(
         page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
         k = tl.load(k_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
-        s = tl.where(visible[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if Q_SPLIT:
+            s = tl.dot(q_lo, tl.trans(k), s, input_precision=PRECISION)
+        s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
         v = tl.load(v_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
@@ -429,6 +449,7 @@ def nvfp4_decode_kernel(
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
     CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
     counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -444,7 +465,7 @@ def nvfp4_decode_kernel(
     acc_even, acc_odd, m_i, l_i = _nvfp4_walk(
         q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, ids, pages, qk, v_offset,
         stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, HEAD_DIM, PAGE, BLOCK_N, BLOCK_G,
-        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB, Q_FIT)
+        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB, Q_FIT, Q_SPLIT)
     _store_result(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
     # the odd columns: the statistics were written with the even ones
@@ -462,7 +483,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 TILES_PER_SPLIT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
                 NUM_STAGES: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
-                Q_FIT: tl.constexpr):
+                Q_FIT: tl.constexpr, Q_SPLIT: tl.constexpr):
     """A split's walk over its NVFP4 tiles. Returns (even accumulator, odd accumulator) [G, D/2]
     and the running (max, sum) [G].
 
@@ -480,6 +501,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_even = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :], mask=g_mask[:, None], other=0.0)
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
+    lo_even, lo_odd = _q_low(q_even, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
     q_even, q_odd, q_back = _fit_q(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, COMPUTE)
     qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
     acc_odd = acc_even
@@ -501,11 +523,17 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         if SWAP_AB:
             s = tl.dot(k_even, q_even, input_precision=PRECISION)
             s = tl.dot(k_odd, q_odd, s, input_precision=PRECISION)
+            if Q_SPLIT:
+                s = tl.dot(k_even, lo_even, s, input_precision=PRECISION)
+                s = tl.dot(k_odd, lo_odd, s, input_precision=PRECISION)
             s = tl.where(visible[:, None], s * qk, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 1)
         else:
             s = tl.dot(q_even, tl.trans(k_even), input_precision=PRECISION)
             s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION)
+            if Q_SPLIT:
+                s = tl.dot(lo_even, tl.trans(k_even), s, input_precision=PRECISION)
+                s = tl.dot(lo_odd, tl.trans(k_odd), s, input_precision=PRECISION)
             s = tl.where(visible[None, :], s * qk, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         p = p.to(COMPUTE)
@@ -541,7 +569,7 @@ def split_dedup_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
     BLOCK_SCALED: tl.constexpr = False, DECODE_ASM: tl.constexpr = False, CODES_ROWS: tl.constexpr = True,
-    Q_FIT: tl.constexpr = False,
+    Q_FIT: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
 ):
     """Page dedup for several query tokens of one request (every layout: `BLOCK_SCALED` for
     NVFP4 head slots, whose even and odd head-dim elements are kept apart as in
@@ -579,10 +607,12 @@ def split_dedup_kernel(
     if BLOCK_SCALED:
         q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)  # the even elements
         q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        q_lo, lo_odd = _q_low(q, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
         q, q_odd, q_back = _fit_q(q, q_odd, 0, Q_FIT, COMPUTE)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
         q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+        q_lo = _q_low(q, Q_SPLIT, COMPUTE)
         q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
@@ -634,11 +664,17 @@ def split_dedup_kernel(
             k, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, kv_visible, PAGE, HEAD_DIM,
                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION) * qk
+            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION)
+            if Q_SPLIT:
+                s = tl.dot(q_lo, tl.trans(k), s, input_precision=PRECISION)
+                s = tl.dot(lo_odd, tl.trans(k_odd), s, input_precision=PRECISION)
         else:
             k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
             k = tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if Q_SPLIT:
+                s = tl.dot(q_lo, tl.trans(k), s, input_precision=PRECISION)
+        s = s * qk
         s = tl.where(tok[None, :] < limit_row[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         p = p.to(COMPUTE)

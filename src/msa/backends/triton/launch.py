@@ -106,13 +106,13 @@ class ScaleArgs:
 
 def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: LaunchConfig) -> tuple[object, str]:
     """(dtype of the dots, their input precision). Interpreter: fp32. A bf16/fp16 cache: its own
-    dtype when q matches (or is fp8), else fp32 with IEEE products. fp8/NVFP4: `config.compute`."""
+    dtype, whatever q's (a bf16 query over an fp16 cache is fitted into fp16's range, `_fits_q`;
+    an f16 one over a bf16 cache is two bf16 terms, `_splits_q`: exact either way, at the tensor
+    cores' 16-bit rate; fp32 IEEE dots were 30x slower). fp8/NVFP4: `config.compute`."""
     if interpreting():
         return tl.float32, "ieee"
     if cache_dtype in _TL_DTYPES:
-        if q_dtype in (cache_dtype, torch.float8_e4m3fn):
-            return _TL_DTYPES[cache_dtype], "tf32"
-        return tl.float32, "ieee"
+        return _TL_DTYPES[cache_dtype], "tf32"
     return _COMPUTE[config.compute], "tf32"
 
 
@@ -120,6 +120,12 @@ def _fits_q(q_dtype: torch.dtype, compute: object) -> bool:
     """Whether the kernels scale a bf16 query by a power of two before its fp16 dots
     (`kernels._fit_q`): fp16's range is narrower than bf16's."""
     return q_dtype == torch.bfloat16 and compute == tl.float16
+
+
+def _splits_q(q_dtype: torch.dtype, compute: object) -> bool:
+    """Whether the kernels take an f16 query as two bf16 terms for bf16 dots (`kernels._q_low`):
+    bf16 has 8 significant bits to f16's 11."""
+    return q_dtype == torch.float16 and compute == tl.bfloat16
 
 
 def decode_args(
@@ -154,7 +160,8 @@ def decode_args(
         NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size, HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
         BLOCK_N=config.block_n, NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision, NUM_STAGES=config.num_stages,
-        Q_FIT=_fits_q(q.dtype, compute), num_warps=config.num_warps, num_stages=config.num_stages,
+        Q_FIT=_fits_q(q.dtype, compute), Q_SPLIT=_splits_q(q.dtype, compute), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
