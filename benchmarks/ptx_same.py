@@ -4,15 +4,15 @@
     python3 benchmarks/ptx_same.py --against REV [--sample N] [--seed S]
     python3 benchmarks/ptx_same.py --against-src DIR [--specs JSON]
 
-A change that says it leaves the kernels it does not opt into alone can show it here. The
-variants compared are, first, every kernel `CuteBackend()` launches by default for M3's head
-layouts on an H200 (TP 1, 2, 4, 8; fp8 and NVFP4; bf16 and fp8 queries; B 1 .. 512; L 1, 2, 4;
-with and without LSE; as this tree's policy chooses), then a grid of `Sm90Spec` variants (fp8 and
-NVFP4; bf16, f16 and fp8 queries; 8 and 16 heads; one split with and without LSE, fused splits
-with and without, clusters of 2 and 8; both ring depths, values and keys in registers or not, one
-or two warpgroups, the tensor-core key conversion; programs of several rows, `lag`, 64-token
-pages). Each is compiled for sm_90a at both trees, each tree in its own process (REV's src/
-checked out into a temporary git worktree), and the PTX compared with its comments stripped.
+A change that says it leaves the kernels it does not opt into alone can show it here. The variants
+compared are, first, every kernel `CuteBackend()` launches by default for M3's head layouts on an
+H200 (TP 1, 2, 4, 8; fp8, NVFP4, bf16 and f16 caches; bf16, f16 and fp8 queries; B 1 .. 512; L 1, 2,
+4; with and without LSE; as this tree's policy chooses), then a grid of `Sm90Spec` variants (fp8 and
+NVFP4; bf16, f16 and fp8 queries; 8 and 16 heads; one split with and without LSE, fused splits with
+and without, clusters of 2 and 8; both ring depths, values and keys in registers or not, one or two
+warpgroups, the tensor-core key conversion; programs of several rows, `lag`, 64-token pages). Each
+is compiled for sm_90a at both trees, each tree in its own process (REV's src/ checked out into a
+temporary git worktree), and the PTX compared with its comments stripped.
 Prints each differing variant and a summary line; exits 1 when any differs. It says nothing
 about what runs on a GPU: it is no substitute for `make gpu-check`.
 """
@@ -37,9 +37,9 @@ DEFAULT_TPS, DEFAULT_BATCHES, DEFAULT_QUERY_LENS = (1, 2, 4, 8), (1, 2, 4, 8, 16
 
 def default_specs() -> list[dict[str, Any]]:
     """The `Sm90Spec`s this tree's `CuteBackend()` launches for the M3 steps above on an H200 (132
-    SMs, 9.0; bf16 and fp8 queries, bf16 outputs), each as the keyword arguments that differ
-    from the field defaults (so that a revision without a field this tree added at its default
-    still takes it)."""
+    SMs, 9.0; bf16, f16 and fp8 queries, outputs of a 16-bit query's type, else bf16), each as the
+    keyword arguments that differ from the field defaults (so that a revision without a field this
+    tree added at its default still takes it)."""
     import attrs
     import torch
 
@@ -56,11 +56,12 @@ def default_specs() -> list[dict[str, Any]]:
     hopper = Platform(device_type="cuda", capability=(9, 0), sm_count=132, packages=frozenset({"cutlass_dsl"}))
     seen: dict[str, dict[str, Any]] = {}
     backend = CuteBackend()
-    steps = itertools.product(DEFAULT_TPS, ("fp8_e4m3", "nvfp4"), (torch.bfloat16, torch.float8_e4m3fn),
-                              DEFAULT_BATCHES, DEFAULT_QUERY_LENS)
+    steps = itertools.product(DEFAULT_TPS, ("fp8_e4m3", "nvfp4", "bfloat16", "float16"),
+                              (torch.bfloat16, torch.float16, torch.float8_e4m3fn), DEFAULT_BATCHES, DEFAULT_QUERY_LENS)
     for tp, layout, q, batch, query_len in steps:
+        out_dtype = torch.bfloat16 if q == torch.float8_e4m3fn else q
         problem = DecodeProblem(geometry=msa.MINIMAX_M3_TP[tp], batch_size=batch, query_len=query_len, kv_layout=layout,
-                                q_dtype=q, out_dtype=torch.bfloat16, device_type="cuda", num_pages=0, max_blocks=0,
+                                q_dtype=q, out_dtype=out_dtype, device_type="cuda", num_pages=0, max_blocks=0,
                                 graph_capture=True)
         if backend.problem_reasons(problem, hopper, requested=False):
             continue

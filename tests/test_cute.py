@@ -121,8 +121,8 @@ def test_the_wgmma_kernel_serves_fp8_nvfp4_and_16_bit_caches_on_sm90_with_pages_
 def test_16_bit_caches_are_the_wgmma_kernels_and_auto_takes_the_measured_band(layout: str) -> None:
     """bf16 and f16 caches: only the wgmma kernel reads them (the mma kernel, asked for, or a GPU or
     page size the wgmma kernel cannot serve, is refused with why); `auto` chooses the backend for
-    them where it measured faster than Triton (`config.WGMMA_AUTO_16_BIT`: one query row, 8-head
-    CTAs, from 16 programs) and says why elsewhere, while a request by name runs every step."""
+    them where it measured faster than Triton (`config.WGMMA_AUTO_16_BIT`: one query row, groups of
+    8, a one-term query, from 16 programs) and says why elsewhere, while a request by name runs every step."""
     backend = CuteBackend()
     tp8, tp4 = msa.MINIMAX_M3_TP[8], msa.MINIMAX_M3_TP[4]
     assert not backend.problem_reasons(_wide(8, layout), _hopper(), requested=True)
@@ -130,9 +130,14 @@ def test_16_bit_caches_are_the_wgmma_kernels_and_auto_takes_the_measured_band(la
     assert not backend.problem_reasons(_wide(256, layout, tp8), _hopper())
     few = backend.problem_reasons(_wide(15, layout, tp8), _hopper())
     assert any("fewer than 16 (row, KV head, head chunk) programs of 8 heads" in r for r in few), few
-    for problem in (_wide(64, layout, tp4), _wide(64, layout), attrs.evolve(_wide(64, layout, tp8), query_len=2)):
+    other_q = torch.bfloat16 if layout == "float16" else torch.float16  # one term (fitted) / two terms
+    group4 = Geometry(num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=128, topk=16)
+    assert (not backend.problem_reasons(attrs.evolve(_wide(64, layout, tp8), q_dtype=other_q), _hopper())) == (
+        layout == "float16")
+    for problem in (_wide(64, layout, tp4), _wide(64, layout), attrs.evolve(_wide(64, layout, tp8), query_len=2),
+                    _wide(64, layout, group4)):
         reasons = backend.problem_reasons(problem, _hopper())
-        assert any(f"auto: a {layout} cache's steps only with one query row a step and at most 8 query heads"
+        assert any(f"auto: a {layout} cache's steps only with one query row a step, 8 query heads a KV head"
                    in r for r in reasons), reasons
         assert not backend.problem_reasons(problem, _hopper(), requested=True)
     small_pages = Geometry(num_q_heads=16, num_kv_heads=2, head_dim=128, page_size=32, topk=8)

@@ -512,23 +512,33 @@ def test_an_f16_query_is_two_exact_bf16_terms(gen: torch.Generator) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["per_token", "dedup"])
-def test_f16_query_over_a_bf16_cache_on_gpu(form: str, gen: torch.Generator,
+@pytest.mark.parametrize(("layout", "form"), [("bfloat16", "per_token"), ("bfloat16", "dedup"),
+                                              ("fp8_e4m3", "per_token"), ("fp8_e4m3", "dedup"),
+                                              ("nvfp4", "per_token"), ("nvfp4", "swap_ab"), ("nvfp4", "dedup")])
+def test_f16_query_meeting_bf16_dots_on_gpu(layout: str, form: str, gen: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """An f16 query over a bf16 cache runs bf16 dots as two terms (`launch._splits_q`; they ran in
-    fp32 IEEE before, ~30x slower): its scores are the f16 query's, as the reference's LSE shows
-    at 1e-5. Control: the same step with the query rounded to bf16 (the split off) moves the LSE
-    by ~1e-2 (scores of std ~8)."""
+    """An f16 query meeting bf16 dots (a bf16 cache; an fp8 or NVFP4 one with `compute="bf16"`)
+    is two bf16 terms (`launch._splits_q`; over a bf16 cache it ran fp32 IEEE dots before, ~30x
+    slower): its scores are the f16 query's, as the reference's LSE shows at 1e-5. Control: the
+    same step with the query rounded to bf16 (the split off) moves the LSE by > 4e-3 (scores of
+    std ~8)."""
     from msa.backends.triton import launch
 
-    built = build(Case(layout="bfloat16", batch=2, query_len=3, num_q_heads=8, num_kv_heads=2, topk=3,
+    built = build(Case(layout=layout, batch=2, query_len=3, num_q_heads=8, num_kv_heads=2, topk=3,
                        max_blocks=5, q_dtype=torch.float16), gen)
     kw = dict(built.kwargs, sm_scale=1.0)
-    out, lse = run_triton(kw, _fit_backend(form), DEVICE)
+    options = {} if layout == "bfloat16" else {"compute": "bf16"}
+
+    def backend() -> TritonBackend:
+        if form == "swap_ab":
+            return TritonBackend(num_splits=2, swap_ab=True, **options)
+        return TritonBackend(num_splits=2, dedup=form == "dedup", **options)
+
+    out, lse = run_triton(kw, backend(), DEVICE)
     assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
     with monkeypatch.context() as patch:
         patch.setattr(launch, "_splits_q", lambda q_dtype, compute: False)
-        _, bad = run_triton(kw, _fit_backend(form), DEVICE)
+        _, bad = run_triton(kw, backend(), DEVICE)
     ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)[1].cpu()
     seen = ~torch.isneginf(ref_lse)
     assert (bad[seen] - ref_lse[seen]).abs().max() > 4e-3

@@ -16,12 +16,12 @@ group, bf16 / f16 / fp8 queries, natural-log LSE. Two kernels:
 
 `auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head,
 head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of 16-head ones,
-NVFP4 16; bf16 and f16 caches only at one query row and 8-head CTAs, where it measured 2-7% faster
-than the Triton kernel: `WGMMA_AUTO_16_BIT`), for the other NVFP4 steps of at least
-`AUTO_MIN_PROGRAMS` (row, KV head) programs and for no other fp8 step, eager or captured in CUDA
-graphs alike (launches pack their own arguments: `fastcall`), except NVFP4 multi-token steps the
-Triton dedup kernel serves (the wgmma kernel measured faster than it on fp8 with and without shared
-pages); the Triton backend stays the portable default. Requested by name it runs any step it supports."""
+NVFP4 16; bf16 and f16 caches only at one query row, GQA groups of 8 and a one-term query, where it
+measured 2-7% faster than the Triton kernel: `WGMMA_AUTO_16_BIT`), for the other NVFP4 steps of at
+least `AUTO_MIN_PROGRAMS` (row, KV head) programs and for no other fp8 step, eager or captured in
+CUDA graphs alike (launches pack their own arguments: `fastcall`), except NVFP4 multi-token steps
+the Triton dedup kernel serves (the wgmma kernel measured faster than it on fp8 with and without
+shared pages); the Triton backend stays the portable default. Requested by name it runs any step it supports."""
 
 from __future__ import annotations
 

@@ -375,12 +375,14 @@ def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vr
 #: win, up to 18% slower (`WGMMA_AUTO_16_BIT`).
 WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("nvfp4", 16): 16,
                            ("bf16", 8): 16, ("f16", 8): 16}
-#: What `auto` gives the wgmma kernel of a 16-bit cache: steps of one query row and 8-head CTAs
-#: (`WGMMA_AUTO_MIN_PROGRAMS`). 16-head CTAs measured (H100, session 30, cute / triton, us):
-#: TP4 B = 1 / 16 / 64 / 256 13.5 / 11.4, 19.9 / 19.5, 41.9 / 43.0, 104.8 / 106.0; TP2 13.8 /
-#: 12.8, 29.6 / 28.0, 64.3 / 64.1, 200.9 / 191.3; TP1 14.4 / 13.3, 41.8 / 42.1, 105.0 / 106.1,
-#: 368.0 / 361.8; several rows a step were not measured.
-WGMMA_AUTO_16_BIT = "one query row a step and at most 8 query heads a KV head"
+#: What `auto` gives the wgmma kernel of a 16-bit cache: the measured band only, steps of one
+#: query row, GQA groups of 8 and a query of one term of the cache's type (`WIDE_Q_TERMS`: not an
+#: f16 query over a bf16 cache, whose two terms take more shared memory), from
+#: `WGMMA_AUTO_MIN_PROGRAMS` programs. 16-head CTAs measured (H100, session 30, cute / triton,
+#: us): TP4 B = 1 / 16 / 64 / 256 13.5 / 11.4, 19.9 / 19.5, 41.9 / 43.0, 104.8 / 106.0; TP2 13.8
+#: / 12.8, 29.6 / 28.0, 64.3 / 64.1, 200.9 / 191.3; TP1 14.4 / 13.3, 41.8 / 42.1, 105.0 / 106.1,
+#: 368.0 / 361.8; several rows a step, smaller groups and two-term queries were not measured.
+WGMMA_AUTO_16_BIT = "one query row a step, 8 query heads a KV head and a query of one term of the cache's type"
 #: 16-head fp8 steps of at least this many programs (and fewer than the SMs) take two consumer
 #: warpgroups a CTA; the rest below the SMs one (`choose_wgmma_shape`).
 WGMMA_TWO_WG_MIN_PROGRAMS = 32
@@ -430,7 +432,8 @@ def wgmma_auto_min_programs(problem: DecodeProblem) -> int | None:
     (`WGMMA_AUTO_MIN_PROGRAMS`), or None where `auto` never gives it a step (a 16-bit cache's
     steps outside `WGMMA_AUTO_16_BIT`)."""
     kind = WGMMA_KINDS.get(problem.kv_layout, "fp8")
-    if kind in WIDE_KINDS and problem.query_len != 1:
+    if kind in WIDE_KINDS and (problem.query_len != 1 or problem.geometry.group_size != 8
+                               or WIDE_Q_TERMS[kind][Q_KINDS[problem.q_dtype]] != 1):
         return None
     return WGMMA_AUTO_MIN_PROGRAMS.get((kind, wgmma_heads(problem.geometry.group_size)))
 

@@ -43,7 +43,9 @@ class LaunchConfig:
         exact for fp8 and NVFP4 values; bf16/fp16 caches always use their own dtype). With
         "fp16" each head of a bf16 query is first scaled by a power of two into fp16's range (its
         largest finite magnitude in [2^14, 2^15)), its scores taking it back: exact for every
-        element from 2^-31 of its head's largest, at any magnitude (`kernels._fit_q`).
+        element from 2^-31 of its head's largest, at any magnitude (`kernels._fit_q`); with
+        "bf16" an f16 query is two bf16 terms, one more dot a tile (`kernels._q_low`: exact). The
+        same holds for a 16-bit cache with a query of the other 16-bit type.
     decode_asm: NVFP4 tiles are decoded with packed PTX (`cvt.rn.f16x2.e4m3x2`) on a GPU; off: the
         portable Triton decode (the interpreter always uses it). The values are the same.
     codes_rows: NVFP4 code bytes are loaded as one contiguous row per token, then grouped.

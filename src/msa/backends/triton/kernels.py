@@ -5,7 +5,8 @@ head's query heads, and one split of the row's tiles (a tile is `BLOCK_N` tokens
 page). The dedup program handles up to `TOKENS` rows of one request instead and walks the union
 of their pages. Tiles are converted to `COMPUTE` for the dots: bf16 or fp16 on the GPU (every
 fp8 and NVFP4 value is exact in both; a bf16 query meeting fp16 dots is scaled into fp16's range
-first, `_fit_q`), fp32 under the Triton interpreter. Index lists are
+first, `_fit_q`, and an f16 query meeting bf16 dots is two bf16 terms, `_q_low`), fp32 under the
+Triton interpreter. Index lists are
 resolved once, up front, so the tile loop has no dependent index loads and can be
 software-pipelined. Scores use base-2 exponentials: `qk_scale` carries `sm_scale * log2(e)` and
 every float scale; tensor scales are read on the device (graph-safe). An entry the semantics
