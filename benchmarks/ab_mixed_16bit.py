@@ -16,7 +16,7 @@ import argparse
 
 import torch
 import triton.language as tl
-from ab_q_fit import _step
+from ab_q_fit import interleaved
 
 import msa
 from msa.backends.triton import launch
@@ -35,25 +35,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
-    new = launch._compute_dtype
-
-    def old(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: object) -> tuple[object, str]:
+    def fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: object) -> tuple[object, str]:
         return tl.float32, "ieee"
+
+    variants = {"16-bit": launch._compute_dtype, "fp32": fp32}
     rows = []
     for tp in (int(x) for x in args.tp.split(",")):
         for layout, q_dtype in MIXED:
             for batch in (int(x) for x in args.batches.split(",")):
                 step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=batch, context_len=65536,
                                         kv_cache_dtype=layout, q_dtype=q_dtype, device="cuda", seed=batch + tp)
-                times: dict[str, list[float]] = {"16-bit": [], "fp32": []}
-                errors = {}
-                for name in ("16-bit", "fp32", "16-bit"):
-                    launch._compute_dtype = new if name == "16-bit" else old
-                    call, errors[name] = _step(step, layout, 1)
-                    times[name].append(timer.graph(call))
-                launch._compute_dtype = new
+                times, errors = interleaved(timer, step, layout, 1, "_compute_dtype", variants)
                 rows.append([tp, layout, str(q_dtype).removeprefix("torch."), batch,
-                             *(round(min(times[n]), 1) for n in ("16-bit", "fp32")),
+                             *(round(times[n], 1) for n in ("16-bit", "fp32")),
                              f"{errors['16-bit']:.1e}", f"{errors['fp32']:.1e}"])
                 print(rows[-1], flush=True)
     print(format_table(["TP", "cache", "q", "B", "16-bit dots us", "fp32 dots us", "err 16-bit", "err fp32"], rows))

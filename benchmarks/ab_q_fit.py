@@ -13,7 +13,7 @@ the reference first (max abs error printed). Prints a table.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -43,6 +43,26 @@ def _step(step: DecodeStep, layout: str, length: int) -> tuple[Callable[[], obje
     return call, float((out.float() - ref.float()).abs().max())
 
 
+def interleaved(timer: Timer, step: DecodeStep, layout: str, length: int, attribute: str,
+                variants: Mapping[str, Callable[..., object]]) -> tuple[dict[str, float], dict[str, float]]:
+    """`step` timed (L2-flushed graph replays, `timer`) and checked against the reference with
+    `launch.<attribute>` replaced by each of two `variants` in turn, interleaved (first, second,
+    first again, so that drift shows), on a fresh planner each: (fastest us, max abs error) by
+    variant name. The launcher's own function is put back whatever happens."""
+    own = getattr(launch, attribute)
+    first, second = variants
+    times: dict[str, list[float]] = {first: [], second: []}
+    errors = {}
+    try:
+        for name in (first, second, first):
+            setattr(launch, attribute, variants[name])
+            call, errors[name] = _step(step, layout, length)
+            times[name].append(timer.graph(call))
+    finally:
+        setattr(launch, attribute, own)
+    return {name: min(t) for name, t in times.items()}, errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="fp8_e4m3,nvfp4")
@@ -51,22 +71,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
-    fit = launch._fits_q
+    variants = {"fit": launch._fits_q, "no fit": lambda q_dtype, compute: False}
     rows = []
     for layout in args.layouts.split(","):
         for length in (int(x) for x in args.query_lens.split(",")):
             for batch in (int(x) for x in args.batches.split(",")):
-                times: dict[str, list[float]] = {"fit": [], "no fit": []}
-                errors = {}
                 step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=length,
                                         context_len=65536, kv_cache_dtype=layout, device="cuda",
                                         seed=batch * 10 + length)
-                for name in ("fit", "no fit", "fit"):
-                    launch._fits_q = fit if name == "fit" else (lambda q_dtype, compute: False)
-                    call, errors[name] = _step(step, layout, length)
-                    times[name].append(timer.graph(call))
-                launch._fits_q = fit
-                rows.append([layout, length, batch, *(round(min(times[n]), 1) for n in ("fit", "no fit")),
+                times, errors = interleaved(timer, step, layout, length, "_fits_q", variants)
+                rows.append([layout, length, batch, *(round(times[n], 1) for n in ("fit", "no fit")),
                              f"{errors['fit']:.1e}", f"{errors['no fit']:.1e}"])
                 print(rows[-1], flush=True)
     print(format_table(["layout", "L", "B", "fit us", "no fit us", "err fit", "err no fit"], rows))
