@@ -28,6 +28,7 @@ import msa
 from msa.backends.triton import TritonBackend
 from msa.backends.triton.config import choose_config
 from msa.backends.triton.launch import Workspace, _kernel_constants, _launches, decode_args
+from msa.cli.defaults import Q_DTYPES
 from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
@@ -104,17 +105,17 @@ def loop_summary(sass: str) -> dict[str, Any]:
 
 
 def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: int = 132,
-                 query_len: int = 1) -> list[dict[str, Any]]:
+                 query_len: int = 1, q_dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     overrides = dict(overrides)
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
     step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=query_len, context_len=2048,
-                            kv_cache_dtype=layout, seed=0)
+                            kv_cache_dtype=layout, q_dtype=q_dtype, seed=0)
     problem, inputs = check_decode_inputs(**step.kwargs())
     tables = StepTables.for_inputs(problem, inputs)
     config = choose_config(problem.geometry, problem.num_rows, sm_count, layout=problem.layout,
                            batch_size=problem.batch_size, query_len=problem.query_len, **overrides)
     workspace = Workspace(problem, config, torch.device("cpu"))
-    out = torch.empty(inputs.q.shape, dtype=torch.bfloat16)
+    out = torch.empty(inputs.q.shape, dtype=torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype)
     rows = TritonBackend(**overrides).plan(problem, tables).rows
     args = decode_args(problem, inputs, rows, out, None, config, workspace)
     args.update(_kernel_constants(problem, config))
@@ -141,13 +142,15 @@ def main() -> None:
     parser.add_argument("--batches", default="64")
     parser.add_argument("--query-len", type=int, default=1)
     parser.add_argument("--variant", action="append", default=[], help="JSON overrides of the launch config")
+    parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the query's dtype")
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
+    q_dtype = getattr(torch, Q_DTYPES[args.q_dtype])
     variants = [json.loads(v) for v in args.variant] or [{}]
     for layout in args.layouts.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for overrides in variants:
-                for r in compile_step(layout, batch, overrides, query_len=args.query_len):
+                for r in compile_step(layout, batch, overrides, query_len=args.query_len, q_dtype=q_dtype):
                     if args.dump:
                         args.dump.mkdir(parents=True, exist_ok=True)
                         tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
