@@ -2,12 +2,13 @@
 code: registers, spills, shared memory, and the instruction mix of the main loop.
 
     PYTHONPATH=src python3 benchmarks/kernel_sass.py [--layouts nvfp4] [--batches 64,256] [--query-len 4] \
-        [--variant '{"block_n": 64}'] [--dump DIR]
+        [--q-dtype bf16|fp16|fp8] [--tp 1|2|4|8] [--variant '{"block_n": 64}'] [--dump DIR]
 
 The kernel, its constants and its argument types are exactly those `msa` launches for the M3 TP1
-step (the launcher's own `decode_args`); integer arguments get the 16-divisibility Triton would
-specialise them for. Needs only the `triton` package (its bundled ptxas): the evidence behind the
-profile summaries in benchmarks/RESULTS.md comes from here and from `ncu` on the H200.
+step (or another TP layout's, `--tp`; the launcher's own `decode_args`); integer arguments get the
+16-divisibility Triton would specialise them for. Needs only the `triton` package (its bundled
+ptxas): the evidence behind the profile summaries in benchmarks/RESULTS.md comes from here and from
+`ncu` on the H200.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _PATTERNS = {
     "HGMMA": r"\bHGMMA\.", "HMMA": r"\bHMMA\.", "LDS": r"\bLDS(\.[A-Z0-9]+)*\b", "LDSM": r"\bLDSM\.",
     "STS": r"\bSTS(\.[A-Z0-9]+)*\b", "LDG": r"\bLDG(\.[A-Z0-9]+)*\b", "LDG.128": r"\bLDG\.E\.128",
     "LDGSTS": r"\bLDGSTS", "BAR": r"\bBAR\.", "SHFL": r"\bSHFL\.", "F2FP": r"\bF2FP\.", "HMUL2": r"\bHMUL2\b",
-    "MUFU": r"\bMUFU\.",
+    "MUFU": r"\bMUFU\.", "LDL": r"\bLDL(\.[A-Z0-9]+)*\b", "STL": r"\bSTL(\.[A-Z0-9]+)*\b",
 }
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
@@ -105,10 +106,10 @@ def loop_summary(sass: str) -> dict[str, Any]:
 
 
 def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: int = 132,
-                 query_len: int = 1, q_dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+                 query_len: int = 1, q_dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> list[dict[str, Any]]:
     overrides = dict(overrides)
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
-    step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=query_len, context_len=2048,
+    step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=batch, decode_query_len=query_len, context_len=2048,
                             kv_cache_dtype=layout, q_dtype=q_dtype, seed=0)
     problem, inputs = check_decode_inputs(**step.kwargs())
     tables = StepTables.for_inputs(problem, inputs)
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--query-len", type=int, default=1)
     parser.add_argument("--variant", action="append", default=[], help="JSON overrides of the launch config")
     parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the query's dtype")
+    parser.add_argument("--tp", type=int, choices=sorted(msa.MINIMAX_M3_TP), default=1,
+                        help="M3's tensor-parallel head layout (1: 64/4 ... 8: 8/1)")
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
     q_dtype = getattr(torch, Q_DTYPES[args.q_dtype])
@@ -150,7 +153,8 @@ def main() -> None:
     for layout in args.layouts.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for overrides in variants:
-                for r in compile_step(layout, batch, overrides, query_len=args.query_len, q_dtype=q_dtype):
+                for r in compile_step(layout, batch, overrides, query_len=args.query_len, q_dtype=q_dtype,
+                                      tp=args.tp):
                     if args.dump:
                         args.dump.mkdir(parents=True, exist_ok=True)
                         tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
