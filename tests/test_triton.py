@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 LAYOUTS = ("bfloat16", "float16", "fp8_e4m3", "nvfp4")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_triton(kw: dict[str, Any], backend: TritonBackend, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +83,18 @@ def test_triton_fp8_queries_and_big_groups(layout: str, gen: torch.Generator) ->
     built = build(Case(layout=layout, q_dtype=torch.float8_e4m3fn, num_q_heads=32, num_kv_heads=1, topk=2, max_blocks=4), gen)
     out, lse = run_triton(built.kwargs, TritonBackend(num_splits=2))
     assert_matches_reference(built.kwargs, out, lse, rtol=2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bfloat16", "float16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("dedup", [False, True])
+def test_triton_fp8_queries_on_gpu(layout: str, dedup: bool, gen: torch.Generator) -> None:
+    """fp8 queries on the GPU's 16-bit dots, per token and deduplicated: the query converted
+    through `kernels._opaque` (an identity the compiler keeps, for the dots' operand layout)."""
+    built = build(Case(layout=layout, batch=3, query_len=3, q_dtype=torch.float8_e4m3fn, num_q_heads=16,
+                       num_kv_heads=2, topk=3, max_blocks=5), gen)
+    out, lse = run_triton(built.kwargs, TritonBackend(num_splits=2, dedup=dedup), DEVICE)
+    assert_matches_reference(built.kwargs, out, lse, rtol=2**-7, atol=gpu_atol(built.kwargs))
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
@@ -366,7 +379,6 @@ def test_the_backend_options_are_choose_configs_overrides() -> None:
 
 # ---- a bf16 query over a quantized cache (fp16 dots on the GPU) --------------------------------
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gpu_dots(monkeypatch: pytest.MonkeyPatch) -> None:
