@@ -2,7 +2,7 @@
 code: registers, spills, shared memory, and the instruction mix of the main loop.
 
     PYTHONPATH=src python3 benchmarks/kernel_sass.py [--layouts nvfp4] [--batches 64,256] [--query-len 4] \
-        [--q-dtype bf16|fp16|fp8] [--tp 1|2|4|8] [--variant '{"block_n": 64}'] [--dump DIR]
+        [--q-dtype bf16|fp16|fp8] [--tp 1|2|4|8] [--variant '{"block_n": 64}'] [--jobs N] [--dump DIR]
 
 The kernel, its constants and its argument types are exactly those `msa` launches for the M3 TP1
 step (or another TP layout's, `--tp`; the launcher's own `decode_args`); integer arguments get the
@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -137,6 +140,11 @@ def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: i
     return results
 
 
+def _compile_case(case: tuple[str, int, dict[str, Any], int, str, int]) -> list[dict[str, Any]]:
+    layout, batch, overrides, query_len, q_dtype, tp = case
+    return compile_step(layout, batch, overrides, query_len=query_len, q_dtype=getattr(torch, q_dtype), tp=tp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="nvfp4")
@@ -146,25 +154,27 @@ def main() -> None:
     parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the query's dtype")
     parser.add_argument("--tp", type=int, choices=sorted(msa.MINIMAX_M3_TP), default=1,
                         help="M3's tensor-parallel head layout (1: 64/4 ... 8: 8/1)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="steps compiled at once, each in a process of its own (default: every core)")
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
-    q_dtype = getattr(torch, Q_DTYPES[args.q_dtype])
     variants = [json.loads(v) for v in args.variant] or [{}]
-    for layout in args.layouts.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            for overrides in variants:
-                for r in compile_step(layout, batch, overrides, query_len=args.query_len, q_dtype=q_dtype,
-                                      tp=args.tp):
-                    if args.dump:
-                        args.dump.mkdir(parents=True, exist_ok=True)
-                        tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
-                        (args.dump / f"{tag}.sass").write_text(r["sass"])
-                        (args.dump / f"{tag}.ttgir").write_text(r["ttgir"])
-                    loop = r["loop"]
-                    print(f"{r['kernel']:22s} {layout:9s} B={batch:3d} {json.dumps(overrides):40s} "
-                          f"regs {r['registers']:3d} spills {r['spills']} smem {r['shared']:6d} | loop "
-                          f"{loop.get('instructions', 0)} instr: " + " ".join(
-                              f"{k} {loop[k]}" for k in _PATTERNS if loop.get(k)), flush=True)
+    cases = [(layout, int(batch), overrides, args.query_len, Q_DTYPES[args.q_dtype], args.tp)
+             for layout in args.layouts.split(",") for batch in args.batches.split(",") for overrides in variants]
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(cases))),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        for (layout, batch, overrides, *_), results in zip(cases, pool.map(_compile_case, cases), strict=True):
+            for r in results:
+                if args.dump:
+                    args.dump.mkdir(parents=True, exist_ok=True)
+                    tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
+                    (args.dump / f"{tag}.sass").write_text(r["sass"])
+                    (args.dump / f"{tag}.ttgir").write_text(r["ttgir"])
+                loop = r["loop"]
+                print(f"{r['kernel']:22s} {layout:9s} B={batch:3d} {json.dumps(overrides):40s} "
+                      f"regs {r['registers']:3d} spills {r['spills']} smem {r['shared']:6d} | loop "
+                      f"{loop.get('instructions', 0)} instr: " + " ".join(
+                          f"{k} {loop[k]}" for k in _PATTERNS if loop.get(k)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Kernel variants for the memory-bound targets, checked and timed in one run (GPU):
 
     PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--layouts nvfp4,fp8_e4m3] [--batches 64,256] \
-        [--query-len 4 --overlap 0.8] [--variant '{"num_splits": 2}' ...]
+        [--query-len 4 --overlap 0.8] [--tp 8] [--variant '{"num_splits": 2}' ...]
 
-For each layout and batch (M3 TP1, 64K contexts, L = 1 unless `--query-len`): the default launch configuration and
-variants of tile size, warps, pipeline stages and (NVFP4) the packed PTX decode, each compared
-with the reference on the same step (max abs error) and timed as L2-flushed CUDA-graph replays;
-the copy bandwidth is measured in the same run. Prints a table, writes tune_kernels.json.
+For each layout and batch (M3 TP1 or the head layout of `--tp`, 64K contexts, L = 1 unless
+`--query-len`): the default launch configuration and variants of tile size, warps, pipeline stages
+and (NVFP4) the packed PTX decode, each compared with the reference on the same step (max abs
+error) and timed as L2-flushed CUDA-graph replays; the copy bandwidth is measured in the same run. Prints a table, writes tune_kernels.json.
 """
 
 from __future__ import annotations
@@ -119,13 +119,16 @@ def main() -> None:
                         help="share of each token's pages that are its predecessor's (L > 1)")
     parser.add_argument("--variant", action="append", default=[],
                         help="JSON launch-config overrides to time instead of the built-in list (repeatable)")
+    parser.add_argument("--tp", type=int, choices=sorted(msa.MINIMAX_M3_TP), default=1,
+                        help="M3's tensor-parallel head layout (1: 64/4 ... 8: 8/1)")
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap):
+    for layout, batch, case in m3_cases(args.layouts.split(","), batches, gen, args.query_len, args.overlap,
+                                         msa.MINIMAX_M3_TP[args.tp]):
         n_bytes = case[0]
         variants: list[dict[str, Any]] = [{}, *([json.loads(v) for v in args.variant] or VARIANTS[layout])]
         for overrides in variants:

@@ -450,10 +450,11 @@ def test_auto_takes_the_wgmma_kernel_from_16_programs_or_fp8_8_of_16_heads(layou
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
-def test_auto_leaves_multi_token_steps_to_dedup_only_where_it_measured_faster(layout: str) -> None:
+def test_auto_takes_multi_token_steps_on_the_wgmma_kernel(layout: str) -> None:
+    """Where the triton backend would deduplicate (M3 TP1 L = 4 B = 64): the wgmma kernel measured
+    faster per token on both layouts (`test_the_mma_kernel_leaves_dedup_steps_to_the_triton_dedup_kernel`)."""
     problem = attrs.evolve(_problem(64, query_len=4), kv_layout=layout)
-    declined = any("dedup" in r for r in CuteBackend().extra_reasons(problem, _hopper()))
-    assert declined == (layout == "nvfp4")
+    assert not any("dedup" in r for r in CuteBackend().extra_reasons(problem, _hopper()))
 
 
 @pytest.mark.parametrize(("dtype", "terms", "exact_from", "exponents"),
@@ -1405,27 +1406,29 @@ def test_plans_launch_through_the_packed_path_and_match() -> None:
         torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=gpu_atol(kw))
 
 
-def test_auto_leaves_dedup_steps_to_the_triton_dedup_kernel() -> None:
-    """NVFP4 at L = 4 from B = 33 (M3 TP1, 132 SMs): the triton backend reads each page once for
-    the step's tokens (H200, 80% overlap: 154.4 / 292.0 us at B = 64 / 128 against this kernel's
-    163.7 / 314.8 per token); by name it still runs them."""
-    backend = CuteBackend()
+def test_the_mma_kernel_leaves_dedup_steps_to_the_triton_dedup_kernel() -> None:
+    """NVFP4 at L = 4 where the triton backend would run its dedup kernel (M3 TP1 from B = 33 on 132
+    SMs): the wgmma kernel, a pass per token, measured faster with and without shared pages (H100,
+    80% overlap: 127.4 / 470.2 us at B = 64 / 256 against 158.3 / 551.7; none: 136.0 / 489.0
+    against 272.1 / 1047.4). The mma kernel leaves those steps to the dedup kernel."""
     dedup_step = _problem(64, query_len=4)
-    assert any("dedup" in r for r in backend.problem_reasons(dedup_step, _hopper()))
-    assert not backend.problem_reasons(dedup_step, _hopper(), requested=True)
-    assert not backend.problem_reasons(_problem(16, query_len=4), _hopper())  # 64 programs < 132 SMs
-    assert not backend.problem_reasons(_problem(64, query_len=2), _hopper())  # L = 2: per token
-
+    mma = CuteBackend(kernel="mma")
+    assert any("dedup" in r for r in mma.problem_reasons(dedup_step, _hopper()))
+    assert not mma.problem_reasons(dedup_step, _hopper(), requested=True)
+    assert not mma.problem_reasons(_problem(16, query_len=4), _hopper())  # 64 programs < 132 SMs
+    assert not mma.problem_reasons(_problem(64, query_len=2), _hopper())  # L = 2: per token
 
 
 @pytest.mark.parametrize("env, refused", [("0", False), ("1", True)])
 def test_auto_follows_msa_triton_dedup(env: str, refused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`MSA_TRITON_DEDUP=0` (per-token everywhere) leaves those steps to this faster per-token
-    kernel; `=1` leaves every multi-token step Triton can dedup to Triton."""
+    """With the mma kernel, `MSA_TRITON_DEDUP=0` (per-token everywhere) leaves those steps to this
+    faster per-token kernel; `=1` leaves every multi-token step Triton can dedup to Triton. The
+    wgmma kernel takes them either way."""
     monkeypatch.setenv("MSA_TRITON_DEDUP", env)
     for batch in (16, 64):
-        reasons = CuteBackend().problem_reasons(_problem(batch, query_len=4), _hopper())
+        reasons = CuteBackend(kernel="mma").problem_reasons(_problem(batch, query_len=4), _hopper())
         assert any("dedup" in r for r in reasons) == refused
+        assert not CuteBackend().problem_reasons(_problem(batch, query_len=4), _hopper())
 
 
 def test_auto_keeps_eager_steps_from_an_unverified_dsl(monkeypatch: pytest.MonkeyPatch) -> None:

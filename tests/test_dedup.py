@@ -141,6 +141,23 @@ def test_policy_picks_dedup_from_shapes_only() -> None:
     assert wide.dedup and wide.tokens == 8 and wide.token_chunks == 4 and wide.block_m == 128
 
 
+def test_nvfp4_programs_of_32_rows_are_not_deduplicated_by_shape() -> None:
+    """M3 TP8 (GQA 8) at L = 4: 32 rows a program. NVFP4 keeps the per-token kernel there (H100,
+    80% overlap: 198.3 against 238.4 us at B = 256), fp8 and bf16 take dedup; forced, the NVFP4
+    program walks 64-token tiles (128-token ones spilled 7080 bytes of registers on Triton 3.6)."""
+    tp8 = msa.MINIMAX_M3_TP[8]
+    nvfp4 = get_layout("nvfp4")
+    assert not choose_config(tp8, 256 * 4, 132, layout=nvfp4, batch_size=256, query_len=4).dedup
+    for layout in ("fp8_e4m3", "bfloat16"):
+        assert choose_config(tp8, 256 * 4, 132, layout=get_layout(layout), batch_size=256, query_len=4).dedup
+    assert choose_config(msa.MINIMAX_M3_TP[4], 256 * 4, 132, layout=nvfp4, batch_size=256, query_len=4).dedup
+    for batch in (16, 64, 256):
+        forced = choose_config(tp8, batch * 4, 132, layout=nvfp4, batch_size=batch, query_len=4, dedup=True)
+        assert forced.dedup and forced.block_m == 32 and forced.block_n == 64
+    fp8 = choose_config(tp8, 256 * 4, 132, layout=get_layout("fp8_e4m3"), batch_size=256, query_len=4)
+    assert fp8.block_m == 32 and fp8.block_n == 128  # 56 bytes of stack there, and faster than 64-token tiles
+
+
 def test_dedup_environment_override(monkeypatch: pytest.MonkeyPatch) -> None:
     from msa.problem import DecodeProblem
 

@@ -19,9 +19,10 @@ head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 
 NVFP4 16; bf16 and f16 caches only at one query row, GQA groups of 8 and a one-term query, where it
 measured 2-7% faster than the Triton kernel: `WGMMA_AUTO_16_BIT`), for the other NVFP4 steps of at
 least `AUTO_MIN_PROGRAMS` (row, KV head) programs and for no other fp8 step, eager or captured in
-CUDA graphs alike (launches pack their own arguments: `fastcall`), except NVFP4 multi-token steps
-the Triton dedup kernel serves (the wgmma kernel measured faster than it on fp8 with and without
-shared pages); the Triton backend stays the portable default. Requested by name it runs any step it supports."""
+CUDA graphs alike (launches pack their own arguments: `fastcall`), multi-token steps included (the
+wgmma kernel measured faster than the Triton dedup kernel on fp8 and NVFP4, with and without shared
+pages; the mma kernel leaves the steps that kernel serves to it); the Triton backend stays the
+portable default. Requested by name it runs any step it supports."""
 
 from __future__ import annotations
 
@@ -226,9 +227,10 @@ class CuteBackend(Backend[CutePlan]):
         dedup = uses_dedup(g, problem.layout, problem.query_len, problem.batch_size, platform.sm_count,
                            dedup_wanted(), problem.dcp_size)  # the Triton backend's choice for the step
         # the wgmma kernel, a pass per token, measured faster than the dedup kernel at 80% page overlap
-        # and without (H200, M3 fp8 L = 4: TP1 B = 64 115.7 / 137.2 us against 134.9 / 243.2)
-        wgmma = fp8 and wgmma_why is None
-        if not requested and dedup and not wgmma:
+        # and without: fp8 (H200, M3 L = 4: TP1 B = 64 115.7 / 137.2 us against 134.9 / 243.2) and
+        # NVFP4 (H100, M3 L = 4, 80%: TP1 B = 64 / 256 127.4 / 470.2 us against 158.3 / 551.7; no
+        # overlap 136.0 / 489.0 against 272.1 / 1047.4); the mma kernel leaves such steps to it
+        if not requested and dedup and not on_wgmma:
             reasons.append("auto: a multi-token step the triton backend's dedup kernel serves (each page read once; "
                            "faster than this per-token kernel at 80% page overlap)")
         if not requested and platform.capability is not None and platform.capability[0] != 9:

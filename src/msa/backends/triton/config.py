@@ -124,7 +124,7 @@ def choose_config(
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
     quantized = layout.quantized
-    tokens = min(query_len, max(1, 128 // g.group_size), max(1, 128 // g.topk))
+    tokens = _dedup_rows(g, query_len) // g.group_size
     dedup = uses_dedup(g, layout, query_len, batch_size or 0, sm_count, dedup, dcp_size)
     token_chunks = -(-query_len // tokens) if dedup else 1
     batch = batch_size if batch_size is not None else max(num_rows // max(query_len, 1), 1)
@@ -147,7 +147,14 @@ def choose_config(
         # the dedup program of bf16/fp16 caches (64 query rows) takes 64-token tiles, 3 stages
         # (H200, L = 4, 80% overlap, B = 128: 381.6 us with 128-token tiles and 2 stages, 315.2
         # with 3 stages, 256.3 with both; B = 64 176.6 -> 157.5 us)
-        whole_pages = (num_splits == 1 or one_page_each) and g.head_dim <= 128 and not (dedup and not quantized)
+        # so does the NVFP4 dedup program of 32 rows or fewer (GQA groups of 8 or less at L = 4):
+        # with 128-token tiles Triton 3.6 gives it 7080 bytes of stack (spilled registers; Triton
+        # 3.9: 64), and at M3 TP8, L = 4, 80% overlap, B = 256 it took 17190 us against 236.9 with
+        # 64-token tiles (H100, tune_kernels.py --tp 8); 32-row fp8 programs do not spill (156.0
+        # against 167.4 us)
+        small_nvfp4 = layout.block_scaled and _dedup_rows(g, query_len) <= 32
+        whole_pages = ((num_splits == 1 or one_page_each) and g.head_dim <= 128
+                       and not (dedup and (not quantized or small_nvfp4)))
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
@@ -267,6 +274,11 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
     Without overlap at L = 4 it is 0.75x (fp8) / 0.88x-0.94x (bf16) / 0.76x (NVFP4) at B = 64-128:
     the price of choosing it without seeing the indices.
 
+    Not for NVFP4 programs of 32 rows or fewer (GQA groups of 8 or less at L = 4): at M3 TP8, L = 4,
+    80% overlap the per-token kernel took 111.5 / 198.3 us at B = 128 / 256 against the dedup
+    kernel's 158.0 / 238.4 (H100, tune_kernels.py --tp 8; fp8 169.7 against 156.6 and bf16 241.5
+    against 189.9 at B = 256 keep it).
+
     Not for a rank of decode context parallelism (`dcp_size` > 1), which holds a share of each
     selection: on 2 H200s, each holding half of every request's pages, at L = 4 and B = 64 the
     dedup kernel took 168 us against the per-token kernel's 105 (benchmarks/RESULTS.md)."""
@@ -275,4 +287,10 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
         and dedup_supported(geometry, layout, query_len)
         and 3 <= query_len <= 4
         and batch_size * geometry.num_kv_heads >= sm_count
+        and not (layout.block_scaled and _dedup_rows(geometry, query_len) <= 32)
     )
+
+
+def _dedup_rows(geometry: Geometry, query_len: int) -> int:
+    """Query rows of one dedup program: its tokens' query heads of one KV head."""
+    return min(query_len, max(1, 128 // geometry.group_size), max(1, 128 // geometry.topk)) * geometry.group_size
