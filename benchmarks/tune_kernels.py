@@ -6,7 +6,8 @@
 For each layout and batch (M3 TP1 or the head layout of `--tp`, 64K contexts, L = 1 unless
 `--query-len`): the default launch configuration and variants of tile size, warps, pipeline stages
 and (NVFP4) the packed PTX decode, each compared with the reference on the same step (max abs
-error) and timed as L2-flushed CUDA-graph replays; the copy bandwidth is measured in the same run. Prints a table, writes tune_kernels.json.
+error) and timed as L2-flushed CUDA-graph replays; the copy bandwidth is measured in the same run.
+Prints a table, writes tune_kernels.json.
 """
 
 from __future__ import annotations
