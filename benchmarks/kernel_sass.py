@@ -1,11 +1,14 @@
-"""Compile msa's Triton decode kernels for Hopper (sm_90) without a GPU and summarise the machine
-code: registers, spills, shared memory, and the instruction mix of the main loop.
+"""Compile msa's Triton decode kernels for Hopper (sm_90, or another GPU: `--capability`) without a
+GPU and summarise the machine code: registers, spills, shared memory, and the instruction mix of
+the main loop.
 
     PYTHONPATH=src python3 benchmarks/kernel_sass.py [--layouts nvfp4] [--batches 64,256] [--query-len 4] \
-        [--q-dtype bf16|fp16|fp8] [--tp 1|2|4|8] [--variant '{"block_n": 64}'] [--jobs N] [--dump DIR]
+        [--q-dtype bf16|fp16|fp8] [--tp 1|2|4|8] [--capability 9.0] [--variant '{"block_n": 64}'] [--jobs N] \
+        [--dump DIR]
 
 The kernel, its constants and its argument types are exactly those `msa` launches for the M3 TP1
-step (or another TP layout's, `--tp`; the launcher's own `decode_args`); integer arguments get the
+step (or another TP layout's, `--tp`; the launcher's own `decode_args`, and the configuration the backend
+picks for the capability); integer arguments get the
 16-divisibility Triton would specialise them for. Needs only the `triton` package (its bundled
 ptxas): the evidence behind the profile summaries in benchmarks/RESULTS.md comes from here and from
 `ncu` on the H200.
@@ -109,7 +112,8 @@ def loop_summary(sass: str) -> dict[str, Any]:
 
 
 def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: int = 132,
-                 query_len: int = 1, q_dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> list[dict[str, Any]]:
+                 query_len: int = 1, q_dtype: torch.dtype = torch.bfloat16, tp: int = 1,
+                 capability: tuple[int, int] = (9, 0)) -> list[dict[str, Any]]:
     overrides = dict(overrides)
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
     step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=batch, decode_query_len=query_len, context_len=2048,
@@ -117,7 +121,8 @@ def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: i
     problem, inputs = check_decode_inputs(**step.kwargs())
     tables = StepTables.for_inputs(problem, inputs)
     config = choose_config(problem.geometry, problem.num_rows, sm_count, layout=problem.layout,
-                           batch_size=problem.batch_size, query_len=problem.query_len, **overrides)
+                           batch_size=problem.batch_size, query_len=problem.query_len, capability=capability,
+                           **overrides)
     workspace = Workspace(problem, config, torch.device("cpu"))
     out = torch.empty(inputs.q.shape, dtype=torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype)
     rows = TritonBackend(**overrides).plan(problem, tables).rows
@@ -128,7 +133,8 @@ def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: i
         kargs = kernel_args(args)
         num_warps, num_stages = kargs.pop("num_warps", 4), kargs.pop("num_stages", 3)
         sig, constants, attrs = _signature(kernel.fn, kargs)
-        compiled = triton.compile(ASTSource(kernel.fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+        target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
+        compiled = triton.compile(ASTSource(kernel.fn, sig, constants, attrs), target=target,
                                   options={"num_warps": num_warps, "num_stages": num_stages, **options})
         sass = compiled.asm["sass"]
         results.append(dict(
@@ -140,9 +146,10 @@ def compile_step(layout: str, batch: int, overrides: dict[str, Any], sm_count: i
     return results
 
 
-def _compile_case(case: tuple[str, int, dict[str, Any], int, str, int]) -> list[dict[str, Any]]:
-    layout, batch, overrides, query_len, q_dtype, tp = case
-    return compile_step(layout, batch, overrides, query_len=query_len, q_dtype=getattr(torch, q_dtype), tp=tp)
+def _compile_case(case: tuple[str, int, dict[str, Any], int, str, int, tuple[int, int]]) -> list[dict[str, Any]]:
+    layout, batch, overrides, query_len, q_dtype, tp, capability = case
+    return compile_step(layout, batch, overrides, query_len=query_len, q_dtype=getattr(torch, q_dtype), tp=tp,
+                        capability=capability)
 
 
 def main() -> None:
@@ -154,12 +161,15 @@ def main() -> None:
     parser.add_argument("--q-dtype", choices=tuple(Q_DTYPES), default="bf16", help="the query's dtype")
     parser.add_argument("--tp", type=int, choices=sorted(msa.MINIMAX_M3_TP), default=1,
                         help="M3's tensor-parallel head layout (1: 64/4 ... 8: 8/1)")
+    parser.add_argument("--capability", default="9.0", help="the GPU's compute capability (major.minor)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="steps compiled at once, each in a process of its own (default: every core)")
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
     variants = [json.loads(v) for v in args.variant] or [{}]
-    cases = [(layout, int(batch), overrides, args.query_len, Q_DTYPES[args.q_dtype], args.tp)
+    major, _, minor = args.capability.partition(".")
+    capability = (int(major), int(minor or 0))
+    cases = [(layout, int(batch), overrides, args.query_len, Q_DTYPES[args.q_dtype], args.tp, capability)
              for layout in args.layouts.split(",") for batch in args.batches.split(",") for overrides in variants]
     with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(cases))),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:

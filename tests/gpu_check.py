@@ -2,7 +2,8 @@
 
 Part 1, the path matrix: every layout and cache form (bf16, fp8: packed and separate; NVFP4) x
 strategy (`auto` as it chooses, and forced: one fused pass, split-K merged by the merge kernel,
-split-K merged in the kernel, the dedup kernel, `cute`) x L (1, 2, 4) x B (1, 16, 64), at
+split-K merged in the kernel, the dedup kernel, the E4M3 decode by bits of GPUs below compute
+capability 8.9, `cute`) x L (1, 2, 4) x B (1, 16, 64), at
 MiniMax-M3 TP1 heads. Each case is
 
 - called twice eagerly through `msa.sparse_decode` (the first call checks and compiles, the
@@ -59,6 +60,8 @@ FORCED: dict[str, dict[str, Any]] = {
     "gate-split": dict(num_splits=4, dedup=False, in_kernel_merge=False),
     "gate-merge-in-kernel": dict(num_splits=2, dedup=False, in_kernel_merge=True),
     "gate-dedup": dict(dedup=True),
+    # the E4M3 decode by bits of GPUs below compute capability 8.9 (`LaunchConfig.soft_e4m3`)
+    "gate-e4m3-bits": dict(soft_e4m3=True),
 }
 #: layout, cache form
 CACHES = (("bfloat16", "packed"), ("bfloat16", "separate"), ("fp8_e4m3", "packed"), ("fp8_e4m3", "separate"),
@@ -244,6 +247,8 @@ def _cases(smoke: bool, cute: bool, hopper: bool = False) -> Iterator[tuple[str,
     for (layout, form), strategy, length, batch in itertools.product(CACHES, strategies, lengths, batches):
         if strategy == "gate-dedup" and length == 1:
             continue  # one token per request: nothing to share
+        if strategy == "gate-e4m3-bits" and layout == "bfloat16":
+            continue  # no E4M3 byte to decode
         if strategy == "cute" and (form != "packed" or (layout == "bfloat16" and not hopper)):
             continue  # cute's paths: packed caches (bf16 on its wgmma kernel only: compute capability 9.x)
         yield layout, form, strategy, length, batch

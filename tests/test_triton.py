@@ -366,12 +366,12 @@ def test_backend_options_outside_what_the_kernels_take_are_refused(options: dict
 
 def test_the_backend_options_are_choose_configs_overrides() -> None:
     """`config.OVERRIDES` (what TritonBackend checks) names exactly the keyword arguments of
-    `choose_config` a step does not fix itself."""
+    `choose_config` a step (or the GPU: its compute capability) does not fix itself."""
     import inspect
 
     from msa.backends.triton.config import OVERRIDES
 
-    fixed = {"layout", "batch_size", "query_len", "dcp_size"}
+    fixed = {"layout", "batch_size", "query_len", "dcp_size", "capability"}
     keywords = {name for name, p in inspect.signature(choose_config).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in fixed}
     assert set(OVERRIDES) == keywords

@@ -24,6 +24,8 @@ __all__ = [
     "OPTIONAL_PACKAGES",
     "PACKAGE_LOCATIONS",
     "PACKAGE_INSTALL",
+    "E4M3_MIN_CAPABILITY",
+    "e4m3_in_hardware",
 ]
 
 #: Packages whose presence some backend depends on (looked up, not imported).
@@ -41,6 +43,18 @@ PACKAGE_INSTALL: dict[str, str] = {
     "cutlass_dsl": "pip install nvidia-cutlass-dsl",
     "fmha_sm100": "it ships in vLLM >= 0.33",
 }
+
+
+#: The lowest compute capability with E4M3 in hardware (`cvt` to and from e4m3, Triton's `fp8e4nv`
+#: type): Ada and Hopper (8.9, 9.0) and later. Below it (Ampere, 8.0 / 8.6) Triton refuses to compile
+#: an fp8 e4m3 tensor, so msa's Triton kernels read such bytes as integers and decode them by bits.
+E4M3_MIN_CAPABILITY = (8, 9)
+
+
+def e4m3_in_hardware(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU of `capability` converts E4M3 in hardware (None: no GPU; the Triton
+    interpreter converts it on the CPU)."""
+    return capability is None or capability >= E4M3_MIN_CAPABILITY
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ import torch
 
 from msa.errors import MSAInputError, MSAUnsupportedError, check_flag, is_int
 from msa.launcher import unit_stride
-from msa.platform import resolve_device, triton_available
+from msa.platform import E4M3_MIN_CAPABILITY, detect, e4m3_in_hardware, resolve_device, triton_available
 from msa.scales import Scale, check_scale, check_scale_value
 
 __all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "UNREAD_FP8", "cache_device", "cache_nbytes",
@@ -292,8 +292,10 @@ class KVLayout(abc.ABC):
             validate: raise on out-of-range slots instead of skipping them, and on a scale
                 tensor that does not hold a finite value > 0 (reads the device).
             kernel: use the Triton writer (True), the torch writer (False), or decide (None:
-                Triton on CUDA when triton imports). Both store the same bytes; the Triton one
-                never synchronises with the host.
+                Triton on CUDA when triton imports, except for an fp8 or NVFP4 cache on a GPU
+                without E4M3 in hardware, below compute capability 8.9, where Triton cannot
+                encode it: there True raises `MSAUnsupportedError`). Both store the same bytes;
+                the Triton one never synchronises with the host.
 
         Returns:
             `(k_scale, v_scale)`: the scales used, as one-element fp32 tensors on the cache's
@@ -320,8 +322,14 @@ class KVLayout(abc.ABC):
             for argument, given in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if given is not None:
                     check_scale_value(argument, given)
+        encodes = not self.quantized or e4m3_in_hardware(detect(device).capability)
         if kernel is None:
-            kernel = device.type == "cuda" and triton_available()
+            kernel = device.type == "cuda" and triton_available() and encodes
+        elif kernel and not encodes:
+            low = ".".join(map(str, E4M3_MIN_CAPABILITY))
+            raise MSAUnsupportedError(f"kernel: the Triton writer of {self.name} caches needs E4M3 in hardware "
+                                      f"(compute capability >= {low}), not {detect(device).describe()}; pass "
+                                      "kernel=False or None for the torch writer")
         if kernel:
             self._store_kernel(cache, shape, key, value, slots, k, v)
         else:

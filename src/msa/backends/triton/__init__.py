@@ -1,6 +1,7 @@
 """The `triton` backend: sparse decode over every layout (BF16/FP16 split, FP8 split, NVFP4 head
 slots), any query length 1..32, any GQA group, head dims 64/128/256, power-of-two pages >= 16,
-any top-k, natural-log LSE. Runs on CUDA GPUs (compute capability >= 8.0), and on the CPU under
+any top-k, natural-log LSE. Runs on CUDA GPUs (compute capability >= 8.0; below 8.9, which has no
+E4M3 in hardware, fp8 bytes are decoded by bits: `LaunchConfig.soft_e4m3`), and on the CPU under
 `TRITON_INTERPRET=1` when requested by name (for tests)."""
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ class TritonBackend(Backend[TritonPlan]):
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:
         """The launch configuration for `problem`. `MSA_TRITON_DEDUP=1` / `0` forces the dedup /
         per-token strategy for multi-token steps (constructor overrides win)."""
-        return self._config(problem, detect(device).sm_count)
+        return self._config(problem, detect(device))
 
     def strategy(self, problem: DecodeProblem, platform: Platform) -> str | None:
-        config = self._config(problem, platform.sm_count)
+        config = self._config(problem, platform)
         if config.dedup:
             kernel = f"the dedup kernel ({config.tokens} tokens of a request per program, each page read once)"
         else:
@@ -83,9 +84,10 @@ class TritonBackend(Backend[TritonPlan]):
                 kernel += f" (not dedup: a rank of {problem.dcp_size} holds a share of each selection)"
         merge = ("one pass" if config.num_splits == 1 else
                  f"{config.num_splits} splits merged {'in the kernel' if config.in_kernel_merge else 'by a kernel'}")
-        return f"{kernel}, {merge}, {config.block_n}-token tiles"
+        e4m3 = ", E4M3 decoded by bits (no E4M3 in hardware)" if config.soft_e4m3 and _reads_e4m3(problem) else ""
+        return f"{kernel}, {merge}, {config.block_n}-token tiles{e4m3}"
 
-    def _config(self, problem: DecodeProblem, sm_count: int) -> LaunchConfig:
+    def _config(self, problem: DecodeProblem, platform: Platform) -> LaunchConfig:
         overrides = dict(self.config_overrides)
         wanted = dedup_wanted()
         if wanted is not None and "dedup" not in overrides:
@@ -93,11 +95,12 @@ class TritonBackend(Backend[TritonPlan]):
         return choose_config(
             problem.geometry,
             problem.num_rows,
-            sm_count,
+            platform.sm_count,
             layout=problem.layout,
             batch_size=problem.batch_size,
             query_len=problem.query_len,
             dcp_size=problem.dcp_size,
+            capability=platform.capability if platform.device_type == "cuda" else None,
             **overrides,
         )
 
@@ -116,3 +119,8 @@ class TritonBackend(Backend[TritonPlan]):
         for kernel, args in step_launches(plan.problem, inputs, plan.rows, out, lse, plan.config, plan.workspace,
                                           plan.memo):
             kernel(args, direct)
+
+
+def _reads_e4m3(problem: DecodeProblem) -> bool:
+    """Whether a step reads E4M3 bytes: an fp8 or NVFP4 cache (its block scales), or an fp8 query."""
+    return problem.layout.quantized or problem.q_dtype == torch.float8_e4m3fn

@@ -10,6 +10,7 @@ import attrs
 
 from msa.errors import MSAInputError, is_int
 from msa.layouts import BFLOAT16, KVLayout
+from msa.platform import e4m3_in_hardware
 from msa.problem import Geometry
 
 __all__ = ["LaunchConfig", "choose_config", "check_overrides", "COMPUTE", "OVERRIDES", "dedup_wanted", "uses_dedup"]
@@ -62,6 +63,10 @@ class LaunchConfig:
         default for 2 to `IN_KERNEL_MERGE_MAX_SPLITS` splits.
     merge_fence: with `in_kernel_merge`, every thread fences its partial stores at GPU scope before
         the count (off only to show the race it prevents: benchmarks/merge_in_kernel.py).
+    soft_e4m3: E4M3 bytes (an fp8 cache or query, NVFP4's block scales and codes) are read as
+        integers and decoded by bits (`kernels._e4m3_bits`), not by the hardware conversion,
+        which GPUs below compute capability 8.9 lack (`msa.platform.E4M3_MIN_CAPABILITY`; the
+        backend sets it there). The values are the same; off the packed PTX decode too.
     """
 
     block_n: int
@@ -82,6 +87,7 @@ class LaunchConfig:
     swap_ab: bool = False
     in_kernel_merge: bool = False
     merge_fence: bool = True
+    soft_e4m3: bool = False
 
     @property
     def fused(self) -> bool:
@@ -107,7 +113,9 @@ def choose_config(
     swap_ab: bool = False,
     in_kernel_merge: bool | None = None,
     merge_fence: bool = True,
+    soft_e4m3: bool | None = None,
     dcp_size: int = 1,
+    capability: tuple[int, int] | None = None,
 ) -> LaunchConfig:
     """Pick tile sizes and the split count for `num_rows` query rows on `sm_count` SMs.
 
@@ -119,8 +127,14 @@ def choose_config(
     tune_stages.py, tune_kernels.py): 64-token tiles, 4 warps, 3 pipeline stages for quantized
     caches and 2 for bf16/fp16; in one fused pass, or with a split per selected page, every
     layout takes whole 128-token pages.
+
+    `capability`: the GPU's compute capability (None: as on Hopper, or the interpreter). Below 8.9
+    E4M3 is decoded by bits (`soft_e4m3`, unless given); below 9.0 (`mma.sync` dots) the NVFP4
+    dedup program takes 64-token tiles (`_narrow_nvfp4`).
     """
     g = geometry
+    if soft_e4m3 is None:
+        soft_e4m3 = not e4m3_in_hardware(capability)
     block_g = min(max(16, _next_pow2(g.group_size)), 64)
     group_chunks = -(-g.group_size // block_g)
     quantized = layout.quantized
@@ -147,14 +161,9 @@ def choose_config(
         # the dedup program of bf16/fp16 caches (64 query rows) takes 64-token tiles, 3 stages
         # (H200, L = 4, 80% overlap, B = 128: 381.6 us with 128-token tiles and 2 stages, 315.2
         # with 3 stages, 256.3 with both; B = 64 176.6 -> 157.5 us)
-        # so does the NVFP4 dedup program of 32 rows or fewer (GQA groups of 8 or less at L = 4):
-        # with 128-token tiles Triton 3.6 gives it 7080 bytes of stack (spilled registers; Triton
-        # 3.9: 64), and at M3 TP8, L = 4, 80% overlap, B = 256 it took 17190 us against 236.9 with
-        # 64-token tiles (H100, tune_kernels.py --tp 8); 32-row fp8 programs do not spill (156.0
-        # against 167.4 us)
-        small_nvfp4 = layout.block_scaled and _dedup_rows(g, query_len) <= 32
+        # so do some NVFP4 dedup programs (`_narrow_nvfp4`)
         whole_pages = ((num_splits == 1 or one_page_each) and g.head_dim <= 128
-                       and not (dedup and (not quantized or small_nvfp4)))
+                       and not (dedup and (not quantized or _narrow_nvfp4(g, layout, query_len, capability))))
         block_n = 128 if whole_pages else (64 if g.head_dim <= 128 else 32)
     block_n = min(block_n, g.page_size)
     tiles = g.topk * (g.page_size // block_n)
@@ -185,12 +194,13 @@ def choose_config(
         token_chunks=token_chunks,
         block_m=block_m,
         entries_pad=_next_pow2(tokens * g.topk) if dedup else 0,
-        decode_asm=decode_asm,
+        decode_asm=decode_asm and not soft_e4m3,
         codes_rows=codes_rows,
         swap_ab=swap_ab,
         in_kernel_merge=not dedup and num_splits > 1 and (num_splits <= IN_KERNEL_MERGE_MAX_SPLITS
                                                           if in_kernel_merge is None else in_kernel_merge),
         merge_fence=merge_fence,
+        soft_e4m3=soft_e4m3,
     )
 
 
@@ -223,6 +233,7 @@ OVERRIDES: dict[str, tuple[str, Callable[[object], bool], bool]] = {
     "codes_rows": ("a bool", _flag, False),
     "swap_ab": ("a bool", _flag, False),
     "merge_fence": ("a bool", _flag, False),
+    "soft_e4m3": ("a bool", _flag, True),
 }
 
 
@@ -289,6 +300,18 @@ def dedup_pays(geometry: Geometry, layout: KVLayout, query_len: int, batch_size:
         and batch_size * geometry.num_kv_heads >= sm_count
         and not (layout.block_scaled and _dedup_rows(geometry, query_len) <= 32)
     )
+
+
+def _narrow_nvfp4(geometry: Geometry, layout: KVLayout, query_len: int, capability: tuple[int, int] | None) -> bool:
+    """Whether an NVFP4 dedup program takes 64-token tiles: at 32 rows or fewer (GQA groups of 8 or
+    less at L = 4), where with 128-token tiles Triton 3.6 gives it 7080 bytes of stack (spilled
+    registers; Triton 3.9: 64) and at M3 TP8, L = 4, 80% overlap, B = 256 it took 17190 us against
+    236.9 with 64-token tiles (H100, tune_kernels.py --tp 8; 32-row fp8 programs do not spill:
+    156.0 against 167.4 us); and below compute capability 9.0, whose `mma.sync` dots gave M3 TP1's
+    64-row program 1872 bytes of stack at 128-token tiles, 176 at 64 (sm_80, Triton 3.9,
+    benchmarks/kernel_sass.py --capability 8.0: compiled, not timed)."""
+    hopper = capability is None or capability >= (9, 0)
+    return layout.block_scaled and (_dedup_rows(geometry, query_len) <= 32 or not hopper)
 
 
 def _dedup_rows(geometry: Geometry, query_len: int) -> int:

@@ -165,6 +165,32 @@ def _opaque(x):
 
 
 @triton.jit
+def _e4m3_bits(b):
+    """E4M3 bytes (uint8) as their fp16 values, by bits, for GPUs without E4M3 in hardware: the sign
+    moved to bit 15 and the 7 exponent and mantissa bits to bits 13..7 make an fp16 of the same
+    bits whose exponent bias is 8 more (15 against 7), so it is the value times 2^-8 exactly,
+    subnormals included; times 256 (exact) it is the value. S.1111.111 is NaN (E4M3 has no Inf)."""
+    w = b.to(tl.uint16)
+    v = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((w & 0x7F) == 0x7F, float("nan"), v).to(tl.float16)
+
+
+@triton.jit
+def _e4m3(x, SOFT: tl.constexpr):
+    """A loaded tile as values: as it is, or with `SOFT` (`LaunchConfig.soft_e4m3`: fp8 tensors
+    passed as their bytes) an integer tile's E4M3 bytes decoded (`_e4m3_bits`)."""
+    if SOFT and x.dtype == tl.uint8:
+        x = _e4m3_bits(x)
+    return x
+
+
+@triton.jit
+def _e4m3_bytes(b, SOFT: tl.constexpr):
+    """E4M3 bytes (uint8) as values: the hardware conversion, or with `SOFT` `_e4m3_bits`."""
+    return _e4m3_bits(b) if SOFT else b.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
     """The query tile(s) in `COMPUTE`, and the factor per head (heads along `AXIS`) the scores
     take back: 1.0, or with `FIT` (a bf16 query whose dots run in fp16) each head times the power
@@ -360,13 +386,14 @@ def split_decode_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr,
     counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
-    Q_SPLIT: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False, SOFT_E4M3: tl.constexpr = False,
 ):
     """Layouts of plain elements (bf16, fp16, fp8): K and V rows of `HEAD_DIM` elements."""
     split, h, r, b, n, limit, qh, g_mask = _program(row_request_ptr, q_pos_ptr, max_blocks, NUM_KV_HEADS, GROUP,
                                                      PAGE, BLOCK_G, GROUP_CHUNKS)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    q = _e4m3(tl.load(q_ptr + r * stride_qr + qh[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0),
+              SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     q_lo = _q_low(q, Q_SPLIT, COMPUTE)
@@ -383,14 +410,14 @@ def split_decode_kernel(
     for step in tl.range(0, _steps(split, count, TILES_PER_SPLIT, CHUNKS), num_stages=NUM_STAGES):
         page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
-        k = tl.load(k_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        k = _e4m3(tl.load(k_rows + d[None, :], mask=visible[:, None], other=0.0), SOFT_E4M3).to(COMPUTE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if Q_SPLIT:
             s = tl.dot(q_lo, tl.trans(k), s, input_precision=PRECISION)
         s = tl.where(visible[None, :], s * qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
-        v = tl.load(v_rows + d[None, :], mask=visible[:, None], other=0.0).to(COMPUTE)
+        v = _e4m3(tl.load(v_rows + d[None, :], mask=visible[:, None], other=0.0), SOFT_E4M3).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
     _store_result(acc, d, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
@@ -419,14 +446,16 @@ def _nvfp4_scale_bytes(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.cons
 
 @triton.jit
 def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr):
+                INTERLEAVED: tl.constexpr, COMPUTE: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr,
+                SOFT: tl.constexpr):
     """Dequantize one tile of a head slot: (even elements, odd elements), each [N, D/2].
 
     A code's magnitude bits shifted into an E4M3 byte (`m << 2`, sign to bit 7) are exactly the
     E2M1 value times 2^-6 (codes 0 and 1 land on E4M3 zero and subnormal), so the hardware
     fp8 conversion decodes them; the block scale (x 64) is exact in fp16/bf16, and so is the
     product (at most 6 significant bits, within range). `DECODE_ASM` (a GPU with fp16 dots) does
-    the same in packed PTX, two elements per instruction."""
+    the same in packed PTX, two elements per instruction. `SOFT`: the E4M3 bytes decoded by bits
+    (`_e4m3_bytes`)."""
     GROUPS: tl.constexpr = HEAD_DIM // 16
     gi = tl.arange(0, GROUPS)
     if CODES_ROWS:  # each token's D/2 code bytes as one contiguous row (wide loads), then grouped
@@ -438,15 +467,15 @@ def _nvfp4_tile(slot, tok, visible, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, 
         code_ptr = slot + tok[:, None, None] * (HEAD_DIM // 2) + gi[None, :, None] * 8 + bi[None, None, :]
         codes = tl.load(code_ptr, mask=visible[:, None, None], other=0)  # uint8 [N, G, 8]
     scale_bytes = _nvfp4_scale_bytes(slot, tok, visible, PAGE, HEAD_DIM, INTERLEAVED)
-    scale = (scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
+    scale = (_e4m3_bytes(scale_bytes, SOFT).to(tl.float32) * 64.0).to(COMPUTE)[:, :, None]
     if DECODE_ASM:
         even, odd = tl.inline_asm_elementwise(_NVFP4_DECODE_ASM, "=r,=r,=r,=r,r,r,r", [codes, scale],
                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         lo = ((codes << 2) & 0x1C) | ((codes << 4) & 0x80)
         hi = ((codes >> 2) & 0x1C) | (codes & 0x80)
-        even = lo.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
-        odd = hi.to(tl.float8e4nv, bitcast=True).to(COMPUTE) * scale
+        even = _e4m3_bytes(lo, SOFT).to(COMPUTE) * scale
+        odd = _e4m3_bytes(hi, SOFT).to(COMPUTE) * scale
     return tl.reshape(even, (BLOCK_N, HEAD_DIM // 2)), tl.reshape(odd, (BLOCK_N, HEAD_DIM // 2))
 
 
@@ -465,7 +494,7 @@ def nvfp4_decode_kernel(
     BLOCK_G: tl.constexpr, GROUP_CHUNKS: tl.constexpr, TOPK_PAD: tl.constexpr, DECODE_ASM: tl.constexpr,
     CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
     counter_ptr, IN_KERNEL_MERGE: tl.constexpr, MERGE_FENCE: tl.constexpr, Q_FIT: tl.constexpr = False,
-    Q_SPLIT: tl.constexpr = False,
+    Q_SPLIT: tl.constexpr = False, SOFT_E4M3: tl.constexpr = False,
 ):
     """NVFP4 head slots: `k` / `v` point at a page's K slot and V slot of head h. Even and odd
     head-dim elements are kept apart (low and high nibbles), so q is split the same way and the
@@ -481,7 +510,7 @@ def nvfp4_decode_kernel(
     acc_even, acc_odd, m_i, l_i = _nvfp4_walk(
         q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, ids, pages, qk, v_offset,
         stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, HEAD_DIM, PAGE, BLOCK_N, BLOCK_G,
-        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB, Q_FIT, Q_SPLIT)
+        TILES_PER_SPLIT, COMPUTE, PRECISION, NUM_STAGES, DECODE_ASM, CODES_ROWS, SWAP_AB, Q_FIT, Q_SPLIT, SOFT_E4M3)
     _store_result(acc_even, 2 * dh, m_i, l_i, r, qh, g_mask, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
                   stride_or, stride_oh, stride_lr, stride_lh, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS, WRITE_LSE)
     # the odd columns: the statistics were written with the even ones
@@ -499,7 +528,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                 TILES_PER_SPLIT: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
                 NUM_STAGES: tl.constexpr, DECODE_ASM: tl.constexpr, CODES_ROWS: tl.constexpr, SWAP_AB: tl.constexpr,
-                Q_FIT: tl.constexpr, Q_SPLIT: tl.constexpr):
+                Q_FIT: tl.constexpr, Q_SPLIT: tl.constexpr, SOFT_E4M3: tl.constexpr):
     """A split's walk over its NVFP4 tiles. Returns (even accumulator, odd accumulator) [G, D/2]
     and the running (max, sum) [G].
 
@@ -512,10 +541,12 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
     if SWAP_AB:  # q^T [D/2, G], acc^T [D/2, G]
         q_even = tl.load(q_base + qh[None, :] * stride_qh + 2 * dh[:, None], mask=g_mask[None, :], other=0.0)
         q_odd = tl.load(q_base + qh[None, :] * stride_qh + 2 * dh[:, None] + 1, mask=g_mask[None, :], other=0.0)
+        q_even, q_odd = _e4m3(q_even, SOFT_E4M3), _e4m3(q_odd, SOFT_E4M3)
         acc_even = tl.zeros([HEAD_DIM // 2, BLOCK_G], tl.float32)
     else:  # q [G, D/2], acc [G, D/2]
         q_even = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :], mask=g_mask[:, None], other=0.0)
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
+        q_even, q_odd = _e4m3(q_even, SOFT_E4M3), _e4m3(q_odd, SOFT_E4M3)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     lo_even, lo_odd = _q_low(q_even, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
     q_even, q_odd, q_back = _fit_q(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, COMPUTE)
@@ -528,14 +559,14 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
     for step in tl.range(0, steps, num_stages=NUM_STAGES):
         page, tok, visible = _tile(split, step, rank, ids, pages, n, offs, TILES_PER_SPLIT, CHUNKS, BLOCK_N, PAGE)
         k_even, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, visible, PAGE, HEAD_DIM,
-                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
+                                    BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS, SOFT_E4M3)
         v_slot = v_ptr + v_offset + page * stride_vp + h * stride_vh
         if not SWAP_AB:
             # the value tile decoded before the scores: on sm_90 the heads-as-rows walk then needs
             # 168 registers instead of 231 (3 programs per SM instead of 2; the swap-AB walk
             # gains nothing from it)
             v_even, v_odd = _nvfp4_tile(v_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM,
-                                        CODES_ROWS)
+                                        CODES_ROWS, SOFT_E4M3)
         if SWAP_AB:
             s = tl.dot(k_even, q_even, input_precision=PRECISION)
             s = tl.dot(k_odd, q_odd, s, input_precision=PRECISION)
@@ -555,7 +586,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         p = p.to(COMPUTE)
         if SWAP_AB:
             v_even, v_odd = _nvfp4_tile(v_slot, tok, visible, PAGE, HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM,
-                                        CODES_ROWS)
+                                        CODES_ROWS, SOFT_E4M3)
             acc_even = tl.dot(tl.trans(v_even), p, acc_even * alpha[None, :], input_precision=PRECISION)
             acc_odd = tl.dot(tl.trans(v_odd), p, acc_odd * alpha[None, :], input_precision=PRECISION)
         else:
@@ -585,7 +616,7 @@ def split_dedup_kernel(
     WRITE_LSE: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     TOKENS: tl.constexpr, TOKEN_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, ENTRIES_PAD: tl.constexpr,
     BLOCK_SCALED: tl.constexpr = False, DECODE_ASM: tl.constexpr = False, CODES_ROWS: tl.constexpr = True,
-    Q_FIT: tl.constexpr = False, Q_SPLIT: tl.constexpr = False,
+    Q_FIT: tl.constexpr = False, Q_SPLIT: tl.constexpr = False, SOFT_E4M3: tl.constexpr = False,
 ):
     """Page dedup for several query tokens of one request (every layout: `BLOCK_SCALED` for
     NVFP4 head slots, whose even and odd head-dim elements are kept apart as in
@@ -621,13 +652,13 @@ def split_dedup_kernel(
     dh = tl.arange(0, HEAD_DIM // 2)
     q_rows = q_ptr + r[:, None] * stride_qr + qh[:, None] * stride_qh
     if BLOCK_SCALED:
-        q = tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)  # the even elements
-        q_odd = tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        q = _e4m3(tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)  # the even elements
+        q_odd = _e4m3(tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), SOFT_E4M3)
         q_lo, lo_odd = _q_low(q, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
         q, q_odd, q_back = _fit_q(q, q_odd, 0, Q_FIT, COMPUTE)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
-        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+        q = _e4m3(tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)
         q_lo = _q_low(q, Q_SPLIT, COMPUTE)
         q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -678,7 +709,7 @@ def split_dedup_kernel(
         kv_visible = tok < tl.max(limit_row, axis=0)
         if BLOCK_SCALED:
             k, k_odd = _nvfp4_tile(k_ptr + page * stride_kp + h * stride_kh, tok, kv_visible, PAGE, HEAD_DIM,
-                                   BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS)
+                                   BLOCK_N, False, COMPUTE, DECODE_ASM, CODES_ROWS, SOFT_E4M3)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=PRECISION)
             if Q_SPLIT:
@@ -686,7 +717,7 @@ def split_dedup_kernel(
                 s = tl.dot(lo_odd, tl.trans(k_odd), s, input_precision=PRECISION)
         else:
             k_rows = k_ptr + page * stride_kp + h * stride_kh + tok[:, None] * stride_kt
-            k = tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+            k = _e4m3(tl.load(k_rows + d[None, :], mask=kv_visible[:, None], other=0.0), SOFT_E4M3).to(COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if Q_SPLIT:
                 s = tl.dot(q_lo, tl.trans(k), s, input_precision=PRECISION)
@@ -696,11 +727,11 @@ def split_dedup_kernel(
         p = p.to(COMPUTE)
         if BLOCK_SCALED:
             v, v_odd = _nvfp4_tile(v_ptr + v_offset + page * stride_vp + h * stride_vh, tok, kv_visible, PAGE,
-                                   HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM, CODES_ROWS)
+                                   HEAD_DIM, BLOCK_N, True, COMPUTE, DECODE_ASM, CODES_ROWS, SOFT_E4M3)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PRECISION)
         else:
             v_rows = v_ptr + v_offset + page * stride_vp + h * stride_vh + tok[:, None] * stride_vt
-            v = tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0).to(COMPUTE)
+            v = _e4m3(tl.load(v_rows + d[None, :], mask=kv_visible[:, None], other=0.0), SOFT_E4M3).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     cols = 2 * dh if BLOCK_SCALED else d
     _store_result(acc, cols, m_i, l_i, r, qh, row_ok, split, vs, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,

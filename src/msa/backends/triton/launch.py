@@ -128,6 +128,11 @@ def _splits_q(q_dtype: torch.dtype, compute: object) -> bool:
     return q_dtype == torch.float16 and compute == tl.bfloat16
 
 
+def _operand(t: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
+    """An fp8 tensor as the kernels read it: as it is, or its bytes (`LaunchConfig.soft_e4m3`)."""
+    return t.view(torch.uint8) if config.soft_e4m3 and t.dtype == torch.float8_e4m3fn else t
+
+
 def decode_args(
     problem: DecodeProblem,
     inputs: DecodeInputs,
@@ -146,7 +151,8 @@ def decode_args(
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
     compute, precision = _compute_dtype(q.dtype, kv.k.dtype, config)
     return dict(
-        q_ptr=q, k_ptr=kv.k, v_ptr=kv.v, topk_ptr=topk, table_ptr=table,
+        q_ptr=_operand(q, config), k_ptr=_operand(kv.k, config), v_ptr=_operand(kv.v, config),
+        topk_ptr=topk, table_ptr=table,
         row_request_ptr=rows.row_request, req_start_ptr=rows.req_start, q_pos_ptr=rows.q_pos,
         out_ptr=out, lse_ptr=lse_arg, part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml,
         **ScaleArgs.of(inputs).kernel_args(dummy=out),
@@ -160,7 +166,8 @@ def decode_args(
         NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size, HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
         BLOCK_N=config.block_n, NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision, NUM_STAGES=config.num_stages,
-        Q_FIT=_fits_q(q.dtype, compute), Q_SPLIT=_splits_q(q.dtype, compute), num_warps=config.num_warps,
+        Q_FIT=_fits_q(q.dtype, compute), Q_SPLIT=_splits_q(q.dtype, compute), SOFT_E4M3=config.soft_e4m3,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
@@ -262,7 +269,8 @@ def step_launches(
     else:  # same shapes, strides, dtypes and scale forms as a call before: only the tensors are new
         static, _ = entry
         kv = problem.layout.kv_operands(inputs.kv_cache)
-        args = dict(static, q_ptr=inputs.q, k_ptr=kv.k, v_ptr=kv.v, topk_ptr=inputs.topk_indices,
+        args = dict(static, q_ptr=_operand(inputs.q, config), k_ptr=_operand(kv.k, config),
+                    v_ptr=_operand(kv.v, config), topk_ptr=inputs.topk_indices,
                     table_ptr=inputs.block_table, out_ptr=out, lse_ptr=lse if lse is not None else out)
         args.update((f"{name}_ptr", value) for name in ("sm_scale", "q_scale", "k_scale", "v_scale")
                     if isinstance(value := getattr(inputs, name), torch.Tensor))

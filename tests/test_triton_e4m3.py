@@ -1,0 +1,145 @@
+"""The Triton kernels' E4M3 decode by bits (`LaunchConfig.soft_e4m3`), for GPUs below compute
+capability 8.9, where Triton has no `fp8e4nv` type: fp8 caches and queries are passed as their
+bytes, NVFP4's block scales and codes decoded the same way. It must give the hardware path's
+values exactly, and the configuration must pick it from the capability."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from cases import Case, build, gpu_atol
+from test_triton import DEVICE, assert_matches_reference, run_triton
+
+import msa
+from msa.backends.triton import TritonBackend
+from msa.backends.triton.config import choose_config
+from msa.backends.triton.kernels import _e4m3_bits
+from msa.errors import MSAUnsupportedError
+from msa.layouts import get_layout
+from msa.platform import Platform, e4m3_in_hardware
+from msa.validation import check_decode_inputs
+from msa.workload import make_decode_step
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+#: where the kernels run: this machine's default device, and marked `gpu` for the GPU gate
+WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@triton.jit
+def _decode_probe(src_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _e4m3_bits(tl.load(src_ptr + i)))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_the_bit_decode_gives_every_e4m3_byte_its_value(where: str) -> None:
+    """All 256 bytes: zeros, subnormals, normals up to 448, both NaNs, against torch's E4M3."""
+    src = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    out = torch.full((256,), 7.0, dtype=torch.float16, device=DEVICE)
+    _decode_probe[(1,)](src, out, N=256)
+    want = src.view(torch.float8_e4m3fn).float().cpu()
+    got = out.float().cpu()
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))  # -0 stays -0
+
+
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits, dedup", [(1, False), (3, False), (2, True)])
+@pytest.mark.parametrize("where", WHERE)
+def test_the_bit_decode_matches_the_hardware_path(layout: str, q_dtype: torch.dtype, splits: int, dedup: bool,
+                                                  where: str, gen: torch.Generator) -> None:
+    """Both paths on the same fresh step (partly visible pages, -1 entries, split and fused, per
+    token and deduplicated): the same bits, and the reference's answer."""
+    built = build(Case(layout=layout, batch=3, query_len=3, q_dtype=q_dtype, num_q_heads=8, num_kv_heads=2,
+                       topk=3, max_blocks=5, tensor_scales=True), gen)
+    kw = built.kwargs
+    kw["topk_indices"][0, 1, :1] = -1
+    bits = run_triton(kw, TritonBackend(num_splits=splits, dedup=dedup, soft_e4m3=True), DEVICE)
+    hardware = run_triton(kw, TritonBackend(num_splits=splits, dedup=dedup, soft_e4m3=False), DEVICE)
+    assert torch.equal(bits[0], hardware[0]) and torch.equal(bits[1], hardware[1])
+    rtol, atol = (2**-7, 2e-4) if DEVICE == "cpu" else (2**-6, gpu_atol(kw))
+    assert_matches_reference(kw, *bits, rtol=rtol, atol=atol)
+
+
+def test_the_configuration_takes_the_bit_decode_below_sm89() -> None:
+    m3 = msa.MINIMAX_M3
+    fp8, nvfp4 = get_layout("fp8_e4m3"), get_layout("nvfp4")
+    assert not e4m3_in_hardware((8, 0)) and not e4m3_in_hardware((8, 6))
+    assert e4m3_in_hardware((8, 9)) and e4m3_in_hardware((9, 0)) and e4m3_in_hardware(None)
+    for capability, soft in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False), (None, False)):
+        config = choose_config(m3, 64, 108, layout=nvfp4, capability=capability)
+        assert config.soft_e4m3 is soft and config.decode_asm is not soft, capability
+    assert not choose_config(m3, 64, 108, layout=fp8, capability=(8, 0), soft_e4m3=False).soft_e4m3
+    # NVFP4's 64-row dedup program takes 64-token tiles on mma.sync GPUs (1872 bytes of stack at
+    # 128 on sm_80), whole pages on Hopper
+    wide = dict(layout=nvfp4, batch_size=256, query_len=4)
+    assert choose_config(m3, 1024, 108, capability=(8, 0), **wide).block_n == 64
+    assert choose_config(m3, 1024, 132, capability=(9, 0), **wide).block_n == 128
+
+
+def test_the_backend_picks_it_from_the_gpu_and_says_so() -> None:
+    step = make_decode_step(msa.MINIMAX_M3, batch_size=8, context_len=512, kv_cache_dtype="fp8_e4m3")
+    problem, _ = check_decode_inputs(**step.kwargs())
+    backend = TritonBackend()
+    ampere, hopper = Platform.cuda((8, 0), sm_count=108), Platform.cuda((9, 0))
+    assert "E4M3 decoded by bits" in (backend.strategy(problem, ampere) or "")
+    assert "E4M3" not in (backend.strategy(problem, hopper) or "")
+    assert not backend.not_supported_reasons(problem, ampere)
+
+
+def test_the_triton_writer_of_quantized_caches_needs_e4m3_in_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below 8.9 the writer picks the torch one by itself and refuses to be forced (by name)."""
+    import msa.layouts.base as base
+
+    monkeypatch.setattr(base, "detect", lambda device: Platform.cuda((8, 0), sm_count=108))
+    layout = get_layout("fp8_e4m3")
+    cache = layout.allocate(num_pages=2, num_kv_heads=1, page_size=16, head_dim=64, device="cpu")
+    key = torch.randn(3, 1, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 5, 17])
+    with pytest.raises(MSAUnsupportedError, match=r"kernel: .*compute capability >= 8\.9.*kernel=False"):
+        layout.write(cache, key, key, slots, kernel=True)
+    layout.write(cache, key, key, slots, kernel=False)
+    bf16 = get_layout("bfloat16")
+    plain = bf16.allocate(num_pages=2, num_kv_heads=1, page_size=16, head_dim=64, device="cpu")
+    bf16.write(plain, key, key, slots, kernel=True)  # nothing to encode: the Triton writer runs
+
+
+def _sm80_spills(*args: str) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--capability", "8.0", *args],
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.findall(r"^(\w+)\s+(\w+)\s+B=\s*(\d+).*? spills (-?\d+)", done.stdout, re.M)
+    if not found:
+        pytest.skip(f"kernel_sass.py compiled nothing (no ptxas?): {done.stderr[-300:]}")
+    return {f"{k} {layout} B={b}": int(n) for k, layout, b, n in found}
+
+
+@pytest.mark.parametrize("q_dtype", ["bf16", "fp8"])
+def test_every_layout_compiles_for_sm80(q_dtype: str) -> None:
+    """Every default launch of M3 TP1 (per token at L = 1, the dedup program at L = 4) compiles for
+    an A100 (sm_80) with each query dtype: before the bit decode, the fp8 and NVFP4 ones and any
+    fp8 query failed (`type fp8e4nv not supported in this architecture`). Stack within 264 bytes
+    (the NVFP4 dedup program's, at 64-token tiles; not timed: no such GPU here)."""
+    spills = _sm80_spills("--layouts", "fp8_e4m3,nvfp4,bfloat16", "--batches", "64", "--q-dtype", q_dtype)
+    spills |= _sm80_spills("--layouts", "fp8_e4m3,nvfp4,bfloat16", "--batches", "16,256", "--query-len", "4",
+                           "--variant", '{"dedup": true}', "--q-dtype", q_dtype)
+    kernels = {k.split()[0] for k in spills}
+    assert {"split_decode_kernel", "nvfp4_decode_kernel", "split_dedup_kernel"} <= kernels, spills
+    assert max(spills.values()) <= 264, spills
