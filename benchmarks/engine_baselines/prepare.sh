@@ -30,7 +30,7 @@ vllm_wheel="${VLLM_WHEEL:-$(find_wheel vllm 0.33.0)}"
 sglang_wheel="${SGLANG_WHEEL:-$(find_wheel sglang 0.5.23)}"
 sglang_ops=sglang/kernels/ops/attention/minimax_sparse
 
-rm -rf "$dest"
+rm -rf "$dest/vllm" "$dest/sglang" "$dest/MANIFEST"  # (flashinfer_sm90.sh's folder beside them stays)
 "$python" - "$dest" "$vllm_wheel" vllm/models/minimax_m3/common/ops/sparse_attn.py \
     "$sglang_wheel" "$sglang_ops/decode/topk_sparse.py" "$sglang_ops/common/tile_ptr.py" \
     "$sglang_ops/common/utils.py" <<'EOF'
