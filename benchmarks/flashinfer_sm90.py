@@ -2,7 +2,7 @@
 and the same timer (GPU with `nvidia-cutlass-dsl`; FlashInfer's kernel fetched into a git-ignored
 folder first, never committed: `bash benchmarks/engine_baselines/flashinfer_sm90.sh`):
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/flashinfer_sm90.py --out DIR [--rows issue|l1|tp|l4|all] \\
+    PYTHONPATH=src:benchmarks python3 benchmarks/flashinfer_sm90.py --out DIR [--rows issue|core|l1|tp|l4|nvfp4|all] \\
         [--reps 30] [--backends cute,triton]
 
 FlashInfer's kernel (`flashinfer/msa_ops/cute_dsl/sparse_decode_sm90.py`, newer than any release;
@@ -52,7 +52,9 @@ _L4: list[Row] = [(1, 2, 64, 0.0, _FP8), (1, 4, 64, 0.0, _FP8)]
 _L4 += [(tp, 4, b, 0.8, _FP8) for tp in (1, 8) for b in (16, 64, 256)]
 _NVFP4: list[Row] = [(1, 1, b, None, ("nvfp4",)) for b in (64, 256)]
 _NVFP4.append((1, 1, 64, None, ("bfloat16",)))
-ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4}
+_CORE: list[Row] = [(tp, 1, b, None, _FP8) for tp, b in ((1, 1), (1, 16), (1, 64), (1, 256), (8, 16), (8, 64),
+                                                          (8, 256))]
+ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4, "core": _CORE}
 ROWS["issue"] = ROWS["l1"] + ROWS["tp"] + ROWS["nvfp4"]
 ROWS["all"] = ROWS["issue"] + ROWS["l4"]
 
