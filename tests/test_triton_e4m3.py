@@ -100,6 +100,9 @@ def test_the_backend_picks_it_from_the_gpu_and_says_so() -> None:
     assert "E4M3 decoded by bits" in (backend.strategy(problem, ampere) or "")
     assert "E4M3" not in (backend.strategy(problem, hopper) or "")
     assert not backend.not_supported_reasons(problem, ampere)
+    forced = TritonBackend(soft_e4m3=False)  # asked for the hardware decode where there is none: refused, says why
+    assert any("soft_e4m3=False" in r and "None or True" in r for r in forced.not_supported_reasons(problem, ampere))
+    assert not forced.not_supported_reasons(problem, hopper)
 
 
 def test_the_triton_writer_of_quantized_caches_needs_e4m3_in_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,9 +137,10 @@ def _sm80_spills(*args: str) -> dict[str, int]:
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp8"])
 def test_every_layout_compiles_for_sm80(q_dtype: str) -> None:
     """The default launches of M3 TP1 (per token at L = 1 B = 64, the dedup program at L = 4, B = 256
-    with a bf16 query and B = 16 with an fp8 one) compile for an A100 (sm_80) with each query dtype: before the bit decode, the fp8 and NVFP4 ones and any
-    fp8 query failed (`type fp8e4nv not supported in this architecture`). Stack within 264 bytes
-    (the NVFP4 dedup program's, at 64-token tiles; not timed: no such GPU here)."""
+    with a bf16 query and B = 16 with an fp8 one) compile for an A100 (sm_80) with each query
+    dtype: before the bit decode, the fp8 and NVFP4 ones and any fp8 query failed (`type fp8e4nv
+    not supported in this architecture`). Stack within 264 bytes (the NVFP4 dedup program's, at
+    64-token tiles; not timed: no such GPU here)."""
     layouts = "fp8_e4m3,nvfp4" + (",bfloat16" if q_dtype == "fp8" else "")  # (bf16 over bf16: no E4M3)
     spills = _sm80_spills("--layouts", layouts, "--batches", "64", "--q-dtype", q_dtype)
     spills |= _sm80_spills("--layouts", layouts, "--batches", "16" if q_dtype == "fp8" else "256", "--query-len", "4",

@@ -295,7 +295,8 @@ class KVLayout(abc.ABC):
                 Triton on CUDA when triton imports, except for an fp8 or NVFP4 cache on a GPU
                 without E4M3 in hardware, below compute capability 8.9, where Triton cannot
                 encode it: there True raises `MSAUnsupportedError`). Both store the same bytes;
-                the Triton one never synchronises with the host.
+                the Triton one never synchronises with the host; the torch one does (it finds
+                the kept slots on the host), so it cannot be captured in a CUDA graph.
 
         Returns:
             `(k_scale, v_scale)`: the scales used, as one-element fp32 tensors on the cache's
@@ -327,9 +328,10 @@ class KVLayout(abc.ABC):
             kernel = device.type == "cuda" and triton_available() and encodes
         elif kernel and not encodes:
             low = ".".join(map(str, E4M3_MIN_CAPABILITY))
+            where = detect(device)
             raise MSAUnsupportedError(f"kernel: the Triton writer of {self.name} caches needs E4M3 in hardware "
-                                      f"(compute capability >= {low}), not {detect(device).describe()}; pass "
-                                      "kernel=False or None for the torch writer")
+                                      f"(compute capability >= {low}), not {where.device_name} {where.capability}; "
+                                      "pass kernel=False or None for the torch writer")
         if kernel:
             self._store_kernel(cache, shape, key, value, slots, k, v)
         else:

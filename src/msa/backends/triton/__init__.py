@@ -17,7 +17,7 @@ from msa.backends.triton.config import LaunchConfig, check_overrides, choose_con
 from msa.backends.triton.launch import LaunchMemo, Workspace, step_launches
 from msa.launcher import direct_launch_enabled
 from msa.planning import RowMetadata, StepTables
-from msa.platform import Platform, detect
+from msa.platform import Platform, detect, e4m3_in_hardware
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs
 
@@ -66,6 +66,13 @@ class TritonBackend(Backend[TritonPlan]):
                 return ["runs on the CPU only under TRITON_INTERPRET=1"]
             if not requested:
                 return ["on the CPU it runs only through the Triton interpreter (slow): request it by name"]
+        return []
+
+    def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
+        hardware = platform.device_type != "cuda" or e4m3_in_hardware(platform.capability)
+        if self.config_overrides.get("soft_e4m3") is False and not hardware and _reads_e4m3(problem):
+            return [f"soft_e4m3=False: a GPU of compute capability {platform.capability} has no E4M3 in hardware "
+                    "(Triton cannot compile it there); leave soft_e4m3 None or True"]
         return []
 
     def config_for(self, problem: DecodeProblem, device: torch.device) -> LaunchConfig:

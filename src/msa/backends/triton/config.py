@@ -308,7 +308,7 @@ def _narrow_nvfp4(geometry: Geometry, layout: KVLayout, query_len: int, capabili
     registers; Triton 3.9: 64) and at M3 TP8, L = 4, 80% overlap, B = 256 it took 17190 us against
     236.9 with 64-token tiles (H100, tune_kernels.py --tp 8; 32-row fp8 programs do not spill:
     156.0 against 167.4 us); and below compute capability 9.0, whose `mma.sync` dots gave M3 TP1's
-    64-row program 1872 bytes of stack at 128-token tiles, 176 at 64 (sm_80, Triton 3.9,
+    64-row program 1872 bytes of stack at 128-token tiles, 248-264 at 64 (sm_80, Triton 3.9,
     benchmarks/kernel_sass.py --capability 8.0: compiled, not timed)."""
     hopper = capability is None or capability >= (9, 0)
     return layout.block_scaled and (_dedup_rows(geometry, query_len) <= 32 or not hopper)
