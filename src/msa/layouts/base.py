@@ -11,10 +11,11 @@ import torch
 
 from msa.errors import MSAInputError, MSAUnsupportedError, check_flag, is_int
 from msa.launcher import unit_stride
-from msa.platform import E4M3_MIN_CAPABILITY, detect, e4m3_in_hardware, resolve_device, triton_available
+from msa.platform import detect, e4m3_in_hardware, resolve_device, triton_available
 from msa.scales import Scale, check_scale, check_scale_value
 
 __all__ = ["CacheShape", "KVCache", "KVLayout", "KVOperands", "SlotWrite", "UNREAD_FP8", "cache_device", "cache_nbytes",
+           "e4m3_by_bits",
            "refuse_unread_fp8"]
 
 _KV_INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -292,9 +293,8 @@ class KVLayout(abc.ABC):
             validate: raise on out-of-range slots instead of skipping them, and on a scale
                 tensor that does not hold a finite value > 0 (reads the device).
             kernel: use the Triton writer (True), the torch writer (False), or decide (None:
-                Triton on CUDA when triton imports, except for an fp8 or NVFP4 cache on a GPU
-                without E4M3 in hardware, below compute capability 8.9, where Triton cannot
-                encode it: there True raises `MSAUnsupportedError`). Both store the same bytes;
+                Triton on CUDA when triton imports; on a GPU without E4M3 in hardware, below
+                compute capability 8.9, it encodes E4M3 by bits). Both store the same bytes;
                 the Triton one never synchronises with the host; the torch one does (it finds
                 the kept slots on the host), so it cannot be captured in a CUDA graph.
 
@@ -323,15 +323,8 @@ class KVLayout(abc.ABC):
             for argument, given in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if given is not None:
                     check_scale_value(argument, given)
-        encodes = not self.quantized or e4m3_in_hardware(detect(device).capability)
         if kernel is None:
-            kernel = device.type == "cuda" and triton_available() and encodes
-        elif kernel and not encodes:
-            low = ".".join(map(str, E4M3_MIN_CAPABILITY))
-            where = detect(device)
-            raise MSAUnsupportedError(f"kernel: the Triton writer of {self.name} caches needs E4M3 in hardware "
-                                      f"(compute capability >= {low}), not {where.device_name} {where.capability}; "
-                                      "pass kernel=False or None for the torch writer")
+            kernel = device.type == "cuda" and triton_available()
         if kernel:
             self._store_kernel(cache, shape, key, value, slots, k, v)
         else:
@@ -482,3 +475,9 @@ def _select_slots(
         key=key[keep],
         value=value[keep],
     )
+
+
+def e4m3_by_bits(device: torch.device) -> bool:
+    """Whether the Triton writers encode E4M3 by bits on `device`: a GPU without E4M3 in hardware
+    (compute capability below 8.9, where Triton has no fp8e4nv type)."""
+    return not e4m3_in_hardware(detect(device).capability)

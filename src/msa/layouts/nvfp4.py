@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite
+from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite, e4m3_by_bits
 from msa.scales import FP32_SCALE_RANGE, Scale, apply_scale, check_scale
 
 __all__ = [
@@ -207,7 +207,7 @@ class NVFP4HeadSlotLayout(KVLayout):
             key, value, slots, cache, k_scale, v_scale, shape.num_pages * shape.page_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cache.stride(0), cache.stride(1),
-            HEAD_DIM=shape.head_dim, PAGE=shape.page_size,
+            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, SOFT=e4m3_by_bits(cache.device),
         )
 
     def _store(

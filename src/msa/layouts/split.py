@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from msa.errors import MSAInputError
-from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite, cache_device
+from msa.layouts.base import CacheShape, KVCache, KVLayout, KVOperands, SlotWrite, cache_device, e4m3_by_bits
 from msa.scales import Scale, apply_scale, check_scale
 
 __all__ = ["SplitLayout", "AUTO", "BFLOAT16", "FLOAT16", "FP8_E4M3", "FP8_E4M3_MAX"]
@@ -103,11 +103,15 @@ class SplitLayout(KVLayout):
         if key.shape[0] == 0:
             return
         keys, values = self.kv_views(cache)
+        fp8 = keys.dtype == torch.float8_e4m3fn
+        soft = fp8 and e4m3_by_bits(keys.device)
+        if soft:  # (no E4M3 in hardware: the bytes, encoded by bits)
+            keys, values = keys.view(torch.uint8), values.view(torch.uint8)
         split_write_kernel[(key.shape[0], shape.num_kv_heads)](
             key, value, slots, keys, values, k_scale, v_scale, shape.num_pages * shape.page_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, FP8=keys.dtype == torch.float8_e4m3fn,
+            HEAD_DIM=shape.head_dim, PAGE=shape.page_size, FP8=fp8, SOFT=soft,
         )
 
     def gather(

@@ -64,7 +64,7 @@ class LaunchConfig:
     merge_fence: with `in_kernel_merge`, every thread fences its partial stores at GPU scope before
         the count (off only to show the race it prevents: benchmarks/merge_in_kernel.py).
     soft_e4m3: E4M3 bytes (an fp8 cache or query, NVFP4's block scales and codes) are read as
-        integers and decoded by bits (`kernels._e4m3_bits`), not by the hardware conversion,
+        integers and decoded by bits (`msa.layouts.kernels.e4m3_decode_bits`), not by the hardware conversion,
         which GPUs below compute capability 8.9 lack (`msa.platform.E4M3_MIN_CAPABILITY`; the
         backend sets it there). The values are the same; off the packed PTX decode too.
     """

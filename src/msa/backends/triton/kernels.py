@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from msa.layouts.kernels import nvfp4_scale_offset
+from msa.layouts.kernels import e4m3_decode_bits, nvfp4_scale_offset
 
 LOG2E = 1.4426950408889634  # host side: folded into qk_scale
 LN2 = tl.constexpr(0.6931471805599453)
@@ -165,29 +165,18 @@ def _opaque(x):
 
 
 @triton.jit
-def _e4m3_bits(b):
-    """E4M3 bytes (uint8) as their fp16 values, by bits, for GPUs without E4M3 in hardware: the sign
-    moved to bit 15 and the 7 exponent and mantissa bits to bits 13..7 make an fp16 of the same
-    bits whose exponent bias is 8 more (15 against 7), so it is the value times 2^-8 exactly,
-    subnormals included; times 256 (exact) it is the value. S.1111.111 is NaN (E4M3 has no Inf)."""
-    w = b.to(tl.uint16)
-    v = (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
-    return tl.where((w & 0x7F) == 0x7F, float("nan"), v).to(tl.float16)
-
-
-@triton.jit
 def _e4m3(x, SOFT: tl.constexpr):
     """A loaded tile as values: as it is, or with `SOFT` (`LaunchConfig.soft_e4m3`: fp8 tensors
-    passed as their bytes) an integer tile's E4M3 bytes decoded (`_e4m3_bits`)."""
+    passed as their bytes) an integer tile's E4M3 bytes decoded (`e4m3_decode_bits`)."""
     if SOFT and x.dtype == tl.uint8:
-        x = _e4m3_bits(x)
+        x = e4m3_decode_bits(x)
     return x
 
 
 @triton.jit
 def _e4m3_bytes(b, SOFT: tl.constexpr):
-    """E4M3 bytes (uint8) as values: the hardware conversion, or with `SOFT` `_e4m3_bits`."""
-    return _e4m3_bits(b) if SOFT else b.to(tl.float8e4nv, bitcast=True)
+    """E4M3 bytes (uint8) as values: the hardware conversion, or with `SOFT` `e4m3_decode_bits`."""
+    return e4m3_decode_bits(b) if SOFT else b.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
