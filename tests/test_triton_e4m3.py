@@ -131,7 +131,8 @@ def test_the_bit_encode_rounds_as_torch_does(where: str, gen: torch.Generator) -
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])
-def test_the_writers_encode_by_bits_below_sm89(layout: str, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("where", WHERE)
+def test_the_writers_encode_by_bits_below_sm89(layout: str, where: str, monkeypatch: pytest.MonkeyPatch,
                                                gen: torch.Generator) -> None:
     """On a GPU without E4M3 in hardware the Triton writers encode by bits (no host
     synchronisation, capturable): the torch writer's bytes, byte for byte, NaN, Inf and skipped
