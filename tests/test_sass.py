@@ -14,16 +14,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _kernel_sass(*args: str) -> list[str]:
-    """The summary lines of `kernel_sass.py` run with `args` (skips where it compiled nothing)."""
+def compiler_env() -> dict[str, str]:
+    """This process's environment for a child that compiles Triton kernels for a GPU: without
+    `TRITON_INTERPRET`, with src and benchmarks on `PYTHONPATH`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), *args], env=env,
+    return env
+
+
+def _kernel_sass(*args: str) -> list[str]:
+    """The summary lines of `kernel_sass.py` run with `args` (skips where it compiled nothing;
+    fails where it compiled some and then failed)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), *args], env=compiler_env(),
                           capture_output=True, text=True, timeout=900, check=False)
     lines = [x for x in done.stdout.splitlines() if " regs " in x]
     if not lines:
         pytest.skip(f"kernel_sass.py compiled nothing (no ptxas for sm_90?): {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
     return lines
+
+
+def _spills(lines: list[str]) -> dict[str, int]:
+    """Bytes of stack per compiled kernel ("<kernel> <layout> B=<batch> <variant>": n) of `_kernel_sass` lines."""
+    spills = {}
+    for line in lines:
+        found = re.search(r"spills (-?\d+)", line)
+        assert found is not None, line
+        spills[" ".join(line.split(" regs ")[0].split())] = int(found.group(1))
+    return spills
 
 
 def _loop(layout: str, q_dtype: str) -> dict[str, int]:
@@ -65,10 +83,6 @@ def test_default_tiles_do_not_spill(tp: int, triton_of: str) -> None:
     lines = _kernel_sass("--layouts", "fp8_e4m3,nvfp4,bfloat16", "--batches", "16,256", "--query-len", "4",
                          "--variant", '{"dedup": true}', "--tp", str(tp))
     lines += _kernel_sass("--layouts", "fp8_e4m3,nvfp4,bfloat16,float16", "--batches", "64,256", "--tp", str(tp))
-    spills = {}
-    for line in lines:
-        found = re.search(r"spills (-?\d+)", line)
-        assert found is not None, line
-        spills[" ".join(line.split(" regs ")[0].split())] = int(found.group(1))
+    spills = _spills(lines)
     assert len(spills) >= 14 and all(n >= 0 for n in spills.values()), spills  # 6 dedup, 8 per-token kernels
     assert max(spills.values()) <= SPILL_LIMIT, {k: n for k, n in spills.items() if n > SPILL_LIMIT}

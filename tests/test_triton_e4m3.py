@@ -6,16 +6,15 @@ values exactly, and the configuration must pick it from the capability."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 from cases import Case, build, gpu_atol
+from test_sass import _kernel_sass, _spills, compiler_env
 from test_triton import DEVICE, assert_matches_reference, run_triton
 
 import msa
@@ -27,7 +26,6 @@ from msa.platform import Platform, e4m3_in_hardware
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRET = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -156,15 +154,7 @@ def test_the_writers_encode_by_bits_below_sm89(layout: str, where: str, monkeypa
 
 
 def _sm80_spills(*args: str) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), "--capability", "8.0", *args],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = re.findall(r"^(\w+)\s+(\w+)\s+B=\s*(\d+).*? spills (-?\d+)", done.stdout, re.M)
-    if not found:
-        pytest.skip(f"kernel_sass.py compiled nothing (no ptxas?): {done.stderr[-300:]}")
-    return {f"{k} {layout} B={b}": int(n) for k, layout, b, n in found}
+    return _spills(_kernel_sass("--capability", "8.0", *args))
 
 
 @pytest.mark.parametrize("q_dtype", ["bf16", "fp8"])
@@ -215,10 +205,8 @@ except Exception as exc:
 def test_the_writers_compile_for_sm80() -> None:
     """Both Triton cache writers, encoding E4M3 by bits, compile for an A100 (sm_80); with the
     hardware conversion the fp8 one does not (Triton has no fp8e4nv there)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _WRITERS_FOR_SM80], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = subprocess.run([sys.executable, "-c", _WRITERS_FOR_SM80], env=compiler_env(), capture_output=True,
+                          text=True, timeout=600, check=False)
     if "bits: compiled" not in done.stdout and "ptxas" in done.stderr:
         pytest.skip(f"no ptxas for sm_80 here: {done.stderr[-300:]}")
     assert "bits: compiled" in done.stdout and "hardware: refused True" in done.stdout, done.stderr[-2000:]

@@ -69,8 +69,8 @@ class TritonBackend(Backend[TritonPlan]):
         return []
 
     def extra_reasons(self, problem: DecodeProblem, platform: Platform, *, requested: bool = False) -> list[str]:
-        hardware = platform.device_type != "cuda" or e4m3_in_hardware(platform.capability)
-        if self.config_overrides.get("soft_e4m3") is False and not hardware and _reads_e4m3(problem):
+        if (self.config_overrides.get("soft_e4m3") is False and not e4m3_in_hardware(platform.capability)
+                and _reads_e4m3(problem)):
             return [f"soft_e4m3=False: a GPU of compute capability {platform.capability} has no E4M3 in hardware "
                     "(Triton cannot compile it there); leave soft_e4m3 None or True"]
         return []
@@ -107,7 +107,7 @@ class TritonBackend(Backend[TritonPlan]):
             batch_size=problem.batch_size,
             query_len=problem.query_len,
             dcp_size=problem.dcp_size,
-            capability=platform.capability if platform.device_type == "cuda" else None,
+            capability=platform.capability,
             **overrides,
         )
 

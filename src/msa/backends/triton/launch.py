@@ -128,9 +128,13 @@ def _splits_q(q_dtype: torch.dtype, compute: object) -> bool:
     return q_dtype == torch.float16 and compute == tl.bfloat16
 
 
-def _operand(t: torch.Tensor, config: LaunchConfig) -> torch.Tensor:
-    """An fp8 tensor as the kernels read it: as it is, or its bytes (`LaunchConfig.soft_e4m3`)."""
-    return t.view(torch.uint8) if config.soft_e4m3 and t.dtype == torch.float8_e4m3fn else t
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: LaunchConfig) -> dict[str, torch.Tensor]:
+    """The query, key and value arguments as the kernels read them: fp8 tensors as they are, or
+    as their bytes (`LaunchConfig.soft_e4m3`)."""
+    def operand(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if config.soft_e4m3 and t.dtype == torch.float8_e4m3fn else t
+
+    return dict(q_ptr=operand(q), k_ptr=operand(k), v_ptr=operand(v))
 
 
 def decode_args(
@@ -151,8 +155,7 @@ def decode_args(
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is off
     compute, precision = _compute_dtype(q.dtype, kv.k.dtype, config)
     return dict(
-        q_ptr=_operand(q, config), k_ptr=_operand(kv.k, config), v_ptr=_operand(kv.v, config),
-        topk_ptr=topk, table_ptr=table,
+        **_qkv(q, kv.k, kv.v, config), topk_ptr=topk, table_ptr=table,
         row_request_ptr=rows.row_request, req_start_ptr=rows.req_start, q_pos_ptr=rows.q_pos,
         out_ptr=out, lse_ptr=lse_arg, part_o_ptr=workspace.partial_out, part_ml_ptr=workspace.partial_ml,
         **ScaleArgs.of(inputs).kernel_args(dummy=out),
@@ -269,8 +272,7 @@ def step_launches(
     else:  # same shapes, strides, dtypes and scale forms as a call before: only the tensors are new
         static, _ = entry
         kv = problem.layout.kv_operands(inputs.kv_cache)
-        args = dict(static, q_ptr=_operand(inputs.q, config), k_ptr=_operand(kv.k, config),
-                    v_ptr=_operand(kv.v, config), topk_ptr=inputs.topk_indices,
+        args = dict(static, **_qkv(inputs.q, kv.k, kv.v, config), topk_ptr=inputs.topk_indices,
                     table_ptr=inputs.block_table, out_ptr=out, lse_ptr=lse if lse is not None else out)
         args.update((f"{name}_ptr", value) for name in ("sm_scale", "q_scale", "k_scale", "v_scale")
                     if isinstance(value := getattr(inputs, name), torch.Tensor))
