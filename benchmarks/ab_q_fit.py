@@ -1,5 +1,5 @@
 """The Triton kernels with and without the bf16 query's fit into fp16's range (`kernels._fit_q`),
-timed in one run on one GPU (the fit is switched off by patching `launch._fits_q`):
+timed in one run on one GPU (the fit is switched off by patching `launch._query_form`):
 
     PYTHONPATH=src python3 benchmarks/ab_q_fit.py [--layouts fp8_e4m3,nvfp4] [--batches 1,16,64,256] \
         [--query-lens 1,4] [--reps 30]
@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     timer = Timer(reps=args.reps)
-    variants = {"fit": launch._fits_q, "no fit": lambda q_dtype, compute: False}
+    own = launch._query_form
+    variants = {"fit": own, "no fit": lambda q_dtype, compute: {**own(q_dtype, compute), "Q_FIT": False}}
     rows = []
     for layout in args.layouts.split(","):
         for length in (int(x) for x in args.query_lens.split(",")):
@@ -79,7 +80,7 @@ def main() -> None:
                 step = make_decode_step(msa.MINIMAX_M3, batch_size=batch, decode_query_len=length,
                                         context_len=65536, kv_cache_dtype=layout, device="cuda",
                                         seed=batch * 10 + length)
-                times, errors = interleaved(timer, step, layout, length, "_fits_q", variants)
+                times, errors = interleaved(timer, step, layout, length, "_query_form", variants)
                 rows.append([layout, length, batch, *(round(times[n], 1) for n in ("fit", "no fit")),
                              f"{errors['fit']:.1e}", f"{errors['no fit']:.1e}"])
                 print(rows[-1], flush=True)

@@ -32,10 +32,9 @@ from typing import Any
 import torch
 
 import msa
+from msa.bench.sweep import planned_step
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
-from msa.planner import DecodePlanner
-from msa.validation import check_decode_inputs
 from msa.workload import indexer_topk, make_decode_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,15 +91,8 @@ def make_step(tp: int, length: int, batch: int, overlap: float | None, layout: s
 
 def time_msa(backend: str, kw: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:
     """Graph-replay microseconds of the planner's `run` (what `msa bench` times), and its output."""
-    q = kw["q"]
-    problem, _ = check_decode_inputs(**kw)
-    planner = DecodePlanner(problem.geometry, kv_cache_dtype=problem.kv_layout, backend=backend, device=q.device,
-                            q_dtype=q.dtype)
-    plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
-    out = torch.full(q.shape, float("nan"), dtype=problem.out_dtype, device=q.device)
-    scales = {"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]}
-    micros = timer.graph(lambda: planner.run(plan, q, kw["kv_cache"], kw["topk_indices"], out=out, **scales))
-    return micros, out
+    call, out = planned_step(backend, kw)
+    return timer.graph(call), out
 
 
 def time_flashinfer(fi: ModuleType, kw: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:

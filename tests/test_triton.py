@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -395,6 +396,13 @@ def _fit_backend(form: str) -> TritonBackend:
     return TritonBackend(num_splits=2, dedup=form == "dedup")
 
 
+def _query_form_without(flag: str) -> Callable[[torch.dtype, object], dict[str, bool]]:
+    """`launch._query_form` with `flag` (Q_FIT or Q_SPLIT) off: the control of a test that the flag matters."""
+    from msa.backends.triton import launch
+    own = launch._query_form
+    return lambda q_dtype, compute: {**own(q_dtype, compute), flag: False}
+
+
 def _fit_step(layout: str, form: str, gen: torch.Generator, num_q_heads: int = 8) -> dict[str, Any]:
     if form == "swap_ab" and layout != "nvfp4":
         pytest.skip("swap-AB is an NVFP4 walk")
@@ -426,7 +434,7 @@ def test_bf16_query_fitted_into_fp16_range(layout: str, form: str, magnitude: fl
     if magnitude in (1e5, 1e-30):  # the control: the same step without the fit is wrong
         from msa.backends.triton import launch
         with monkeypatch.context() as patch:  # (undone at once: the GPU test calls this again)
-            patch.setattr(launch, "_fits_q", lambda q_dtype, compute: False)
+            patch.setattr(launch, "_query_form", _query_form_without("Q_FIT"))
             bad, _ = run_triton(kw, _fit_backend(form), DEVICE)
         ref = msa.sparse_decode(**kw, backend="reference")
         assert bad.isnan().any() or (bad.float() - ref.float()).abs().max() > 10 * gpu_atol(kw)
@@ -530,7 +538,7 @@ def test_an_f16_query_is_two_exact_bf16_terms(gen: torch.Generator) -> None:
 def test_f16_query_meeting_bf16_dots_on_gpu(layout: str, form: str, gen: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """An f16 query meeting bf16 dots (a bf16 cache; an fp8 or NVFP4 one with `compute="bf16"`)
-    is two bf16 terms (`launch._splits_q`; over a bf16 cache it ran fp32 IEEE dots before, ~30x
+    is two bf16 terms (`launch._query_form`; over a bf16 cache it ran fp32 IEEE dots before, ~30x
     slower): its scores are the f16 query's, as the reference's LSE shows at 1e-5. Control: the
     same step with the query rounded to bf16 (the split off) moves the LSE by > 4e-3 (scores of
     std ~8)."""
@@ -549,7 +557,7 @@ def test_f16_query_meeting_bf16_dots_on_gpu(layout: str, form: str, gen: torch.G
     out, lse = run_triton(kw, backend(), DEVICE)
     assert_matches_reference(kw, out, lse, rtol=2**-7, atol=gpu_atol(kw))
     with monkeypatch.context() as patch:
-        patch.setattr(launch, "_splits_q", lambda q_dtype, compute: False)
+        patch.setattr(launch, "_query_form", _query_form_without("Q_SPLIT"))
         _, bad = run_triton(kw, backend(), DEVICE)
     ref_lse = msa.sparse_decode(**kw, backend="reference", return_lse=True)[1].cpu()
     seen = ~torch.isneginf(ref_lse)

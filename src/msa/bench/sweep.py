@@ -165,19 +165,24 @@ def _time_strategy(
     return _eager_and_graph(lambda: backend.run(plan, inputs, out, None), timer, graph), out
 
 
-def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
-    """Time `DecodePlanner.run` of a planned step (what a serving engine captures)."""
+def planned_step(name: str, kw: dict[str, Any]) -> tuple[Callable[[], object], torch.Tensor]:
+    """`DecodePlanner.run` of a planned step (what a serving engine captures) as a call, and its NaN-poisoned output."""
     q = kw["q"]
     problem, _ = check_decode_inputs(**kw)
     planner = DecodePlanner(
         problem.geometry, kv_cache_dtype=problem.kv_layout, backend=name, device=q.device, q_dtype=q.dtype
     )
     plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=kw["decode_query_len"])
-    out = torch.empty(q.shape, dtype=problem.out_dtype, device=q.device)
+    out = torch.full(q.shape, float("nan"), dtype=problem.out_dtype, device=q.device)
     args = (plan, q, kw["kv_cache"], kw["topk_indices"])
     scales = {"k_scale": kw["k_scale"], "v_scale": kw["v_scale"]}
+    return lambda: planner.run(*args, out=out, **scales), out
 
-    return _eager_and_graph(lambda: planner.run(*args, out=out, **scales), timer, graph), out
+
+def _time_backend(name: str, kw: dict[str, Any], timer: Timer, graph: bool) -> tuple[dict[str, float], torch.Tensor]:
+    """Time `DecodePlanner.run` of a planned step."""
+    call, out = planned_step(name, kw)
+    return _eager_and_graph(call, timer, graph), out
 
 
 def _eager_and_graph(call: Callable[[], object], timer: Timer, graph: bool) -> dict[str, float]:

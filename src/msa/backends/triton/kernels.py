@@ -223,6 +223,15 @@ def _q_low(q, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
+def _query_terms(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
+    """The query as the dots take it: (q, q2) fitted (`_fit_q`), their second terms (`_q_low`),
+    and the factor per head the scores take back. `q2` is NVFP4's odd half (or `q` again)."""
+    lo, lo2 = _q_low(q, SPLIT, COMPUTE), _q_low(q2, SPLIT, COMPUTE)
+    q, q2, down = _fit_q(q, q2, AXIS, FIT, COMPUTE)
+    return q, q2, lo, lo2, down
+
+
+@triton.jit
 def _score_factor(qk, q_back, AXIS: tl.constexpr, FIT: tl.constexpr):
     """The scores' factor: `qk`, or for a fitted query (`_fit_q`) `qk` times each head's factor
     back (heads along `AXIS`), broadcastable against the scores: the one multiply the scores took
@@ -385,8 +394,7 @@ def split_decode_kernel(
               SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    q_lo = _q_low(q, Q_SPLIT, COMPUTE)
-    q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
+    q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
@@ -537,8 +545,8 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
         q_even, q_odd = _e4m3(q_even, SOFT_E4M3), _e4m3(q_odd, SOFT_E4M3)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    lo_even, lo_odd = _q_low(q_even, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
-    q_even, q_odd, q_back = _fit_q(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, COMPUTE)
+    q_even, q_odd, lo_even, lo_odd, q_back = _query_terms(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, Q_SPLIT,
+                                                          COMPUTE)
     qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
     acc_odd = acc_even
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -643,13 +651,11 @@ def split_dedup_kernel(
     if BLOCK_SCALED:
         q = _e4m3(tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)  # the even elements
         q_odd = _e4m3(tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q_lo, lo_odd = _q_low(q, Q_SPLIT, COMPUTE), _q_low(q_odd, Q_SPLIT, COMPUTE)
-        q, q_odd, q_back = _fit_q(q, q_odd, 0, Q_FIT, COMPUTE)
+        q, q_odd, q_lo, lo_odd, q_back = _query_terms(q, q_odd, 0, Q_FIT, Q_SPLIT, COMPUTE)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
         q = _e4m3(tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q_lo = _q_low(q, Q_SPLIT, COMPUTE)
-        q, _, q_back = _fit_q(q, q, 0, Q_FIT, COMPUTE)
+        q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     qk = _score_factor(qk, q_back, 0, Q_FIT)

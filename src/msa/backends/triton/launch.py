@@ -106,8 +106,8 @@ class ScaleArgs:
 
 def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: LaunchConfig) -> tuple[object, str]:
     """(dtype of the dots, their input precision). Interpreter: fp32. A bf16/fp16 cache: its own
-    dtype, whatever q's (a bf16 query over an fp16 cache is fitted into fp16's range, `_fits_q`;
-    an f16 one over a bf16 cache is two bf16 terms, `_splits_q`: exact either way, at the tensor
+    dtype, whatever q's (a bf16 query over an fp16 cache is fitted into fp16's range, `_query_form`;
+    an f16 one over a bf16 cache is two bf16 terms, `_query_form`: exact either way, at the tensor
     cores' 16-bit rate; fp32 IEEE dots were 30x slower). fp8/NVFP4: `config.compute`."""
     if interpreting():
         return tl.float32, "ieee"
@@ -116,16 +116,13 @@ def _compute_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, config: Launc
     return _COMPUTE[config.compute], "tf32"
 
 
-def _fits_q(q_dtype: torch.dtype, compute: object) -> bool:
-    """Whether the kernels scale a bf16 query by a power of two before its fp16 dots
-    (`kernels._fit_q`): fp16's range is narrower than bf16's."""
-    return q_dtype == torch.bfloat16 and compute == tl.float16
-
-
-def _splits_q(q_dtype: torch.dtype, compute: object) -> bool:
-    """Whether the kernels take an f16 query as two bf16 terms for bf16 dots (`kernels._q_low`):
-    bf16 has 8 significant bits to f16's 11."""
-    return q_dtype == torch.float16 and compute == tl.bfloat16
+def _query_form(q_dtype: torch.dtype, compute: object) -> dict[str, bool]:
+    """How the kernels take the query for their dots (`kernels._query_terms`): `Q_FIT`, a bf16
+    query scaled by a power of two before fp16 dots (fp16's range is narrower than bf16's,
+    `kernels._fit_q`); `Q_SPLIT`, an f16 query as two bf16 terms for bf16 dots (bf16 has 8
+    significant bits to f16's 11, `kernels._q_low`)."""
+    return dict(Q_FIT=q_dtype == torch.bfloat16 and compute == tl.float16,
+                Q_SPLIT=q_dtype == torch.float16 and compute == tl.bfloat16)
 
 
 def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: LaunchConfig) -> dict[str, torch.Tensor]:
@@ -169,7 +166,7 @@ def decode_args(
         NUM_KV_HEADS=g.num_kv_heads, GROUP=g.group_size, HEAD_DIM=g.head_dim, PAGE=g.page_size, TOPK=g.topk,
         BLOCK_N=config.block_n, NUM_SPLITS=config.num_splits, TILES_PER_SPLIT=config.tiles_per_split,
         WRITE_LSE=lse is not None, COMPUTE=compute, PRECISION=precision, NUM_STAGES=config.num_stages,
-        Q_FIT=_fits_q(q.dtype, compute), Q_SPLIT=_splits_q(q.dtype, compute), SOFT_E4M3=config.soft_e4m3,
+        **_query_form(q.dtype, compute), SOFT_E4M3=config.soft_e4m3,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
