@@ -180,7 +180,7 @@ def _e4m3_bytes(b, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
+def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr, SOFT: tl.constexpr):
     """The query tile(s) in `COMPUTE`, and the factor per head (heads along `AXIS`) the scores
     take back: 1.0, or with `FIT` (a bf16 query whose dots run in fp16) each head times the power
     of two that puts its largest finite magnitude in [2^14, 2^15), inside fp16's range (a bf16
@@ -189,7 +189,10 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
     head is fitted alone (one head's magnitude, Inf or NaN never moves another's), and its Inf and
     NaN elements stay what they are. `q2` is NVFP4's odd half (or `q` again). Powers of two built
     from the exponent bits (exact), the exponent clamped to [-112, 127]. An fp8 query is converted
-    through `_opaque`."""
+    through `_opaque`, and so is every query with `SOFT` (`LaunchConfig.soft_e4m3`: an fp8 query
+    arrives as bytes and is decoded to fp16 in registers, which Triton traces back to the byte
+    load: sm_80, M3 TP1 B = 64 over a bf16 cache, 486 instructions a tile against 406 for a bf16
+    query; through `_opaque` fp32 to the dots' dtype is exact for every 16-bit query)."""
     down = 1.0  # (unfitted: the scores' factor is `qk` as it is, `_score_factor`)
     if FIT:
         qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
@@ -201,7 +204,7 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr):
         up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
         down = ((113 + e) << 23).to(tl.float32, bitcast=True)
         q, q2 = qf * up, qf2 * up
-    if q.dtype.is_fp8() and tl.float32 != COMPUTE:  # (a GPU's 16-bit dots; the interpreter runs no PTX)
+    if (q.dtype.is_fp8() or SOFT) and tl.float32 != COMPUTE:  # (a GPU's 16-bit dots; the interpreter runs no PTX)
         q, q2 = _opaque(q), _opaque(q2)
     return q.to(COMPUTE), q2.to(COMPUTE), down
 
@@ -223,11 +226,12 @@ def _q_low(q, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _query_terms(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
+def _query_terms(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr,
+                 SOFT: tl.constexpr):
     """The query as the dots take it: (q, q2) fitted (`_fit_q`), their second terms (`_q_low`),
     and the factor per head the scores take back. `q2` is NVFP4's odd half (or `q` again)."""
     lo, lo2 = _q_low(q, SPLIT, COMPUTE), _q_low(q2, SPLIT, COMPUTE)
-    q, q2, down = _fit_q(q, q2, AXIS, FIT, COMPUTE)
+    q, q2, down = _fit_q(q, q2, AXIS, FIT, COMPUTE, SOFT)
     return q, q2, lo, lo2, down
 
 
@@ -394,7 +398,7 @@ def split_decode_kernel(
               SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE)
+    q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
@@ -546,7 +550,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_even, q_odd = _e4m3(q_even, SOFT_E4M3), _e4m3(q_odd, SOFT_E4M3)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
     q_even, q_odd, lo_even, lo_odd, q_back = _query_terms(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, Q_SPLIT,
-                                                          COMPUTE)
+                                                          COMPUTE, SOFT_E4M3)
     qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
     acc_odd = acc_even
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -651,11 +655,11 @@ def split_dedup_kernel(
     if BLOCK_SCALED:
         q = _e4m3(tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)  # the even elements
         q_odd = _e4m3(tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q, q_odd, q_lo, lo_odd, q_back = _query_terms(q, q_odd, 0, Q_FIT, Q_SPLIT, COMPUTE)
+        q, q_odd, q_lo, lo_odd, q_back = _query_terms(q, q_odd, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
         q = _e4m3(tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE)
+        q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
