@@ -112,7 +112,11 @@ def _encode_probe(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_the_bit_encode_rounds_as_torch_does(where: str, gen: torch.Generator) -> None:
     """float32 -> E4M3 by bits against torch's conversion: every E4M3 value, the midpoints between
     neighbours (ties to even), their float32 neighbours, random magnitudes from 2^-12 to 479, zeros,
-    past 448 and Inf (saturated at 448, as torch) and NaN (S.1111.111)."""
+    past 448 and Inf (saturated at 448, as the hardware's `satfinite`) and NaN (S.1111.111).
+    torch's own conversion past 448 changed between releases (2.11, the GPU machine's: NaN from
+    464 on, Inf included; 2.13: 448), so the oracle is torch's conversion of the input clamped to
+    +-448 (NaN kept) — what the writers store, as they clamp first — and saturation is asserted
+    on its own."""
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     finite = values[values.isfinite()].unique()
     mids = (finite[1:] + finite[:-1]) / 2
@@ -123,9 +127,11 @@ def test_the_bit_encode_rounds_as_torch_does(where: str, gen: torch.Generator) -
     x = torch.cat([finite, -finite, mids, -mids, near, -near, rand, special]).float().to(DEVICE)
     out = torch.full(x.shape, 0x55, dtype=torch.uint8, device=DEVICE)
     _encode_probe[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-    want = x.cpu().to(torch.float8_e4m3fn).view(torch.uint8)  # (torch's conversion, on the CPU)
+    want = x.cpu().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)  # (torch's conversion, CPU)
     bad = (out.cpu() != want).nonzero().flatten()
     assert bad.numel() == 0, [(float(x[i]), int(out[i]), int(want[i])) for i in bad[:8]]
+    past = x.abs() > 448  # (Inf included; NaN is not)
+    assert past.sum() >= 4 and bool((out[past] & 0x7F == 0x7E).all()), out[past]  # +-448, whatever torch does
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4"])

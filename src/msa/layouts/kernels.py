@@ -30,7 +30,8 @@ def e4m3_encode_bits(x):
     hardware: what torch's conversion stores. Normal results (from 2^-6) rebias the exponent (127
     -> 7) and round the 20 dropped mantissa bits; smaller magnitudes are rounded to a multiple of
     2^-9 by an fp32 add of 2^14 (whose ulp that is); larger magnitudes than 448, Inf included,
-    saturate at 448 (as torch's conversion and the hardware's `satfinite` do), NaN gives S.1111.111."""
+    saturate at 448 (as the hardware's `satfinite` and torch 2.13's conversion do; torch 2.11's
+    gives NaN from 464 on, but the writers clamp to +-448 first), NaN gives S.1111.111."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
