@@ -122,7 +122,13 @@ def main() -> None:
     timer = Timer(reps=args.reps)
     copy = copy_bandwidth(timer)
     backends = ["auto", *[b for b in args.backends.split(",") if b]]
-    results = []
+    results: list[dict[str, Any]] = []
+    name = torch.cuda.get_device_name()
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        record = dict(device=name, copy_gbps=copy, seed=args.seed, reps=args.reps, rows=rows)
+        (args.out / "flashinfer_sm90.json").write_text(json.dumps(record, indent=1))
+
     for tp, length, batch, overlap, layouts in ROWS[args.rows]:
         for layout in layouts:
             kw = make_step(tp, length, batch, overlap, layout, args.context, args.seed)
@@ -142,11 +148,9 @@ def main() -> None:
                     row[backend] = (float("nan"), str(exc).splitlines()[0])
             results.append(row)
             print(json.dumps(row), flush=True)
+            save(results)  # (after every row: a run stopped at its time limit keeps what it measured)
             del kw, ref
             torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name()
-    (args.out / "flashinfer_sm90.json").write_text(json.dumps(dict(device=name, copy_gbps=copy, seed=args.seed,
-                                                                   reps=args.reps, rows=results), indent=1))
     header = ["case", "layout", "FlashInfer us (err)", *[f"msa {b} us (err)" for b in backends], "auto / FI"]
     table = []
     for r in results:
