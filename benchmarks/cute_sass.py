@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kernel_sass import _resources
-
 from msa.backends.cute.config import DEFAULT_MIN_CTAS, DEFAULT_QK_CHAINS, DEFAULT_STAGES, max_stages
+from msa.bench.machine_code import cubin_resources
 
 
 def _tool() -> Path:
@@ -75,7 +74,7 @@ def analyse(kind: str, dump: Path, qk_chains: int = DEFAULT_QK_CHAINS,
         old.unlink()
     cute.compile(build(spec), *compile_args())
     cubin = next(dump.glob("*.cubin"))
-    resources = _resources(cubin.read_bytes())
+    resources = cubin_resources(cubin.read_bytes())
     ops = _ops(cubin)
     loops = sorted(_loops(ops), key=lambda span: span[1] - span[0])
     main, inner = loops[-1], next((s for s in loops[:-1] if loops[-1][0] <= s[0] and s[1] <= loops[-1][1]), None)

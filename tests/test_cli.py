@@ -262,3 +262,44 @@ def test_a_table_keeps_each_row_on_one_line() -> None:
     lines = table.splitlines()
     assert len(lines) == 4, table  # header, rule, two rows
     assert lines[2].startswith("evil plugin") and lines[2].endswith(" 1.500") and lines[3].endswith("12.250")
+
+
+def test_explain_shows_the_machine_code_of_the_triton_kernels() -> None:
+    """`msa explain --machine-code` compiles the step's Triton kernels for the pretend GPU (no
+    GPU here) and tabulates them: here M3 TP1's fp8 per-token kernel for sm_90 (B = 64, one
+    pass), its tensor-core loop over tiles and few bytes of stack. Run as a child: the compiler needs
+    `TRITON_INTERPRET` unset."""
+    from test_sass import compiler_env
+
+    argv = ["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "triton", "--machine-code"]
+    done = subprocess.run([sys.executable, "-m", "msa", *argv], env=compiler_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
+    if "ptxas" in done.stderr and done.returncode != 0:
+        pytest.skip(f"no ptxas for sm_90 here: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiling the Triton kernels for sm_90" in done.stderr
+    rows = table_rows(done.stdout)
+    assert "split_decode_kernel" in rows, done.stdout
+    kernel = rows["split_decode_kernel"]  # name, tile, warps, stages, splits, registers, stack B, shared B, loop, mix
+    assert 0 < int(kernel[5]) <= 255 and 0 <= int(kernel[6]) <= 256 and int(kernel[7]) > 0 and int(kernel[8]) > 100, kernel
+    assert "MMA" in " ".join(kernel[9:]), kernel
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cpu"], "--machine-code: expected a CUDA platform"),  # no GPU to compile for
+    (["--capability", "9.0", "--packages", "triton"], "TRITON_INTERPRET: expected unset"),  # (the tests interpret)
+])
+def test_explain_machine_code_refuses_in_one_line(argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--machine-code", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_explain_machine_code_says_which_backend_runs_the_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """On Hopper with the CuTe DSL, the wgmma kernel runs M3's fp8 step: no Triton table, and the line says so."""
+    assert main(["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "cutlass_dsl,triton",
+                 "--machine-code"]) == 0
+    out = capsys.readouterr().out
+    assert "machine code: shown for the Triton backend's kernels; cute runs this step" in out
+    assert "loop instr" not in out

@@ -105,6 +105,11 @@ def add_parsers(subparsers: Subparsers) -> None:
         help="ranks each request's pages are spread over (decode context parallelism; default 1)",
     )
     explain.add_argument("--backend", default="auto", help="a backend name to request (default: auto)")
+    explain.add_argument(
+        "--machine-code", action="store_true",
+        help="compile the Triton kernels of the step for the (pretend) GPU here, no GPU needed, and show "
+        "their registers, spills, shared memory and main loop",
+    )
     _add_platform_arguments(explain)
     explain.set_defaults(func=run_explain)
 
@@ -316,4 +321,8 @@ def run_explain(args: argparse.Namespace) -> int:
         _print_strategy(selection.chosen, policy, problem, platform)
     for line in _failure_lines(policy.registry):
         print(line)
+    if args.machine_code:
+        from msa.cli.machine_code import print_machine_code
+
+        print_machine_code(args, problem, platform, selection.chosen)
     return 0 if selection.chosen else 1

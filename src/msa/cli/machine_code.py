@@ -1,0 +1,50 @@
+"""`msa explain --machine-code`: what ptxas makes of the Triton kernels of the described step,
+compiled here for the described GPU (`msa.bench.machine_code`; no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from msa.platform import Platform
+    from msa.problem import DecodeProblem
+
+__all__ = ["print_machine_code"]
+
+#: Fewer instructions than this in the largest backward branch: a wait or spin, not a loop over tiles.
+_LOOP_MIN = 16
+
+
+def print_machine_code(args: argparse.Namespace, problem: DecodeProblem, platform: Platform,
+                       chosen: str | None) -> None:
+    """Compile and summarise the Triton kernels `problem` launches on `platform` (a CUDA one,
+    real or pretend), or say why not: another backend runs the step, or the platform is no GPU."""
+    from msa.bench.machine_code import LOOP_PATTERNS, check_compiler, compile_step
+    from msa.display import format_table
+    from msa.errors import MSAInputError
+
+    if platform.capability is None:
+        raise MSAInputError("--machine-code", "a CUDA platform: this machine's GPU, or --capability X.Y",
+                            f"a {platform.device_type} platform")
+    if chosen != "triton":
+        print(f"machine code: shown for the Triton backend's kernels; {chosen or 'no backend'} runs this step "
+              "(see them with --backend triton)")
+        return
+    check_compiler()
+    major, minor = platform.capability
+    print(f"compiling the Triton kernels for sm_{major}{minor} (seconds each) ...", file=sys.stderr, flush=True)
+    codes = compile_step(problem.geometry, problem.kv_layout, problem.batch_size, query_len=problem.query_len,
+                         q_dtype=problem.q_dtype, capability=platform.capability, sm_count=platform.sm_count)
+    print(f"machine code for sm_{major}{minor}, {platform.sm_count} SMs (a packed cache, no LSE; registers and "
+          "bytes of stack per thread, shared memory per program, the main loop's instructions per tile):")
+    rows = []
+    for code in codes:
+        looped = code.loop.get("instructions", 0) >= _LOOP_MIN  # (a program of one tile has no loop over tiles)
+        mix = " ".join(f"{k} {code.loop[k]}" for k in LOOP_PATTERNS if code.loop.get(k)) if looped else "no tile loop"
+        rows.append([code.kernel, code.config["block_n"], code.config["warps"], code.config["stages"],
+                     code.config["splits"], code.registers, code.spills, code.shared,
+                     code.loop["instructions"] if looped else "-", mix])
+    print(format_table(["kernel", "tile", "warps", "stages", "splits", "registers", "stack B", "shared B",
+                        "loop instr", "loop mix"], rows))
