@@ -11,23 +11,26 @@
 # limit), ROWS (flashinfer_sm90.py row set, default core), REPS (default 20), BACKENDS (msa
 # backends beside `auto`, default none), GATE=0 to skip the gate.
 set -uo pipefail
+: "${OUT:?the device machine sets OUT}"
 start=$SECONDS
 budget=${BUDGET:-570}
-source .dsl/setup.sh
+source .dsl/setup.sh || { echo "no .dsl/setup.sh: run benchmarks/carry_dsl.sh here and carry .dsl"; exit 2; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-if [ "${GATE:-1}" != 0 ]; then
-    make gpu-check GPU_CHECK_RECORD="$OUT/gpu-check.txt" > "$OUT/gate.log" 2>&1
-    echo "gate rc=$? after $((SECONDS - start)) s"
+if [ "${GATE:-1}" != 0 ]; then  # (bounded: a gate past the budget would take the rows' time, not the call)
+    timeout -k 10 $((budget - 60)) make gpu-check GPU_CHECK_RECORD="$OUT/gpu-check.txt" > "$OUT/gate.log" 2>&1
+    echo "gate rc=$? after $((SECONDS - start)) s (124: stopped at the budget)"
 fi
 left=$((budget - (SECONDS - start) - 5))
-if [ ! -f .baselines/flashinfer_sm90/sparse_decode_sm90.py ]; then
-    echo "no .baselines/flashinfer_sm90: run benchmarks/engine_baselines/flashinfer_sm90.sh here and carry .baselines"
+kernel=${MSA_FLASHINFER_SM90:-.baselines/flashinfer_sm90/sparse_decode_sm90.py}
+if [ ! -f "$kernel" ]; then
+    echo "no $kernel: run benchmarks/engine_baselines/flashinfer_sm90.sh here and carry .baselines"
 elif [ "$left" -lt 60 ]; then
     echo "rows skipped: ${left} s left"
 else
-    timeout "$left" python3 benchmarks/flashinfer_sm90.py --out "$OUT/rows" --rows "${ROWS:-core}" \
+    timeout -k 10 "$left" python3 benchmarks/flashinfer_sm90.py --out "$OUT/rows" --rows "${ROWS:-core}" \
         --reps "${REPS:-20}" --backends "${BACKENDS-}" > "$OUT/rows.log" 2>&1
     echo "rows rc=$? (124: stopped at the budget; the rows measured are in rows/flashinfer_sm90.json)"
     grep -v -i warn "$OUT/rows.log" | grep -v '^{' | tail -20
 fi
-[ -f "$OUT/gpu-check.txt" ] && sed -n 2,3p "$OUT/gpu-check.txt"
+if [ -f "$OUT/gpu-check.txt" ]; then sed -n 2,3p "$OUT/gpu-check.txt"; fi
+exit 0

@@ -127,7 +127,9 @@ def main() -> None:
 
     def save(rows: list[dict[str, Any]]) -> None:
         record = dict(device=name, copy_gbps=copy, seed=args.seed, reps=args.reps, rows=rows)
-        (args.out / "flashinfer_sm90.json").write_text(json.dumps(record, indent=1))
+        part = args.out / "flashinfer_sm90.json.part"  # (replaced whole: a run stopped mid-write keeps the last)
+        part.write_text(json.dumps(record, indent=1))
+        os.replace(part, args.out / "flashinfer_sm90.json")
 
     for tp, length, batch, overlap, layouts in ROWS[args.rows]:
         for layout in layouts:

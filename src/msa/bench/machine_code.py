@@ -3,9 +3,10 @@ needed, Triton's bundled ptxas and cuobjdump): per kernel a step launches, its l
 registers, bytes of stack (spilled registers), shared memory, and the instruction mix of its main
 loop. `msa explain --machine-code` and `benchmarks/kernel_sass.py` print it.
 
-The kernel, its constants and its argument types are exactly those the Triton backend launches
-for the step (the launcher's own `decode_args` and the configuration it picks for the GPU's
-capability and SM count); integer arguments get the 16-divisibility Triton specialises them for.
+The kernels, their constants and argument types are those the Triton backend launches for the
+step over a packed cache (the launcher's own `decode_args`, and the configuration it picks for
+the GPU's capability and SM count); integer arguments get the 16-divisibility Triton specialises
+them for, from a step of 2048-token requests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from msa.errors import MSAInputError
 from msa.problem import Geometry
 
-__all__ = ["KernelCode", "check_compiler", "compile_step", "cubin_resources", "loop_summary", "LOOP_PATTERNS"]
+__all__ = ["KernelCode", "LOOP_PATTERNS", "MAX_BATCH", "check_compiler", "compile_step", "cubin_resources",
+           "loop_summary"]
 
 #: Instruction classes counted in a main loop (regular expressions over the SASS).
 LOOP_PATTERNS = {
@@ -122,13 +124,18 @@ def check_compiler() -> None:
         raise MSAInputError("TRITON_INTERPRET", "unset (machine code is compiled, not interpreted)", "set")
 
 
+#: Largest batch compiled: the step is built in host memory (16 pages a request, 2-4 MiB at M3 TP1).
+MAX_BATCH = 512
+
+
 def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int = 1,
-                 q_dtype: torch.dtype = torch.bfloat16, capability: tuple[int, int] = (9, 0), sm_count: int = 132,
-                 overrides: dict[str, Any] | None = None) -> list[KernelCode]:
+                 q_dtype: torch.dtype = torch.bfloat16, with_lse: bool = False, capability: tuple[int, int] = (9, 0),
+                 sm_count: int = 132, overrides: dict[str, Any] | None = None) -> list[KernelCode]:
     """Compile, for a GPU of `capability` with `sm_count` SMs, every kernel the Triton backend
-    launches for a step of `geometry` over a `layout` cache (B = `batch`, L = `query_len`, a
-    `q_dtype` query; `overrides`: `TritonBackend` options, and `maxnreg` for ptxas). Runs on the
-    CPU; Triton's interpreter must be off (`TRITON_INTERPRET` unset)."""
+    launches for a step of `geometry` over a packed `layout` cache (B = `batch` <= `MAX_BATCH`
+    requests of 2048 tokens, L = `query_len`, a `q_dtype` query, the LSE written or not;
+    `overrides`: `TritonBackend` options, and `maxnreg` for ptxas). Runs on the CPU; Triton's
+    interpreter must be off (`TRITON_INTERPRET` unset)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -141,6 +148,9 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     from msa.workload import make_decode_step
 
     check_compiler()
+    if not 1 <= batch <= MAX_BATCH:
+        raise MSAInputError("batch", f"1..{MAX_BATCH} requests to compile a step for (it is built in host memory)",
+                            repr(batch))
     overrides = dict(overrides or {})
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
     step = make_decode_step(geometry, batch_size=batch, decode_query_len=query_len, context_len=2048,
@@ -153,11 +163,12 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     workspace = Workspace(problem, config, torch.device("cpu"))
     out = torch.empty(inputs.q.shape, dtype=problem.out_dtype)
     rows = TritonBackend(**overrides).plan(problem, tables).rows
-    args = decode_args(problem, inputs, rows, out, None, config, workspace)
+    lse = torch.empty((problem.num_rows, geometry.num_q_heads), dtype=torch.float32) if with_lse else None
+    args = decode_args(problem, inputs, rows, out, lse, config, workspace)
     args.update(_kernel_constants(problem, config))
     target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
     results = []
-    for kernel, kernel_args in _launches(problem, rows, config, workspace, False):
+    for kernel, kernel_args in _launches(problem, rows, config, workspace, with_lse):
         kargs = kernel_args(args)
         num_warps, num_stages = kargs.pop("num_warps", 4), kargs.pop("num_stages", 3)
         sig, constants, attributes = _signature(kernel.fn, kargs)

@@ -160,7 +160,7 @@ def _time_strategy(
     backend = TritonBackend(dedup=strategy == "dedup")
     problem, inputs = check_decode_inputs(**kw)
     plan = backend.plan(problem, StepTables.for_inputs(problem, inputs))
-    out = torch.empty(kw["q"].shape, dtype=problem.out_dtype, device=kw["q"].device)
+    out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device=kw["q"].device)
 
     return _eager_and_graph(lambda: backend.run(plan, inputs, out, None), timer, graph), out
 

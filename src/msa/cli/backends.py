@@ -324,5 +324,5 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.machine_code:
         from msa.cli.machine_code import print_machine_code
 
-        print_machine_code(args, problem, platform, selection.chosen)
+        print_machine_code(problem, platform, selection.chosen)
     return 0 if selection.chosen else 1

@@ -192,7 +192,9 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr, 
     through `_opaque`, and so is every query with `SOFT` (`LaunchConfig.soft_e4m3`: an fp8 query
     arrives as bytes and is decoded to fp16 in registers, which Triton traces back to the byte
     load: sm_80, M3 TP1 B = 64 over a bf16 cache, 486 instructions a tile against 406 for a bf16
-    query; through `_opaque` fp32 to the dots' dtype is exact for every 16-bit query)."""
+    query). The fp32 round trip changes no value: a bf16 or f16 query meeting dots of its own
+    dtype, or fitted (already fp32), converts back exactly; an f16 query meeting bf16 dots
+    rounds to bf16 as `_q_low` rounds it, so the two terms still sum to the query."""
     down = 1.0  # (unfitted: the scores' factor is `qk` as it is, `_score_factor`)
     if FIT:
         qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
