@@ -30,7 +30,7 @@ import torch
 from tune_kernels import m3_cases, try_check_and_time
 
 from msa.backends.triton import TritonBackend
-from msa.backends.triton.launch import _kernel_constants, _launches, decode_args
+from msa.backends.triton.launch import step_launches
 from msa.bench.kernels import empty_kernel
 from msa.bench.timing import Timer, capture_graph
 from msa.display import format_table
@@ -41,11 +41,8 @@ VARIANTS = {"two kernels": {"in_kernel_merge": False}, "in-kernel, fenced": {"in
 
 def _kernel_parts(plan: Any, inputs: Any, out: torch.Tensor) -> list[Any]:
     """The plan's kernels one by one (decode, merge), each a call launching it alone."""
-    problem, config = plan.problem, plan.config
-    args = decode_args(problem, inputs, plan.rows, out, None, config, plan.workspace)
-    args.update(_kernel_constants(problem, config))
-    return [lambda k=kernel, f=fn: k(f(args), False)
-            for kernel, fn in _launches(problem, plan.rows, config, plan.workspace, False)]
+    return [lambda k=kernel, a=args: k(a, False)
+            for kernel, args in step_launches(plan.problem, inputs, plan.rows, out, None, plan.config, plan.workspace)]
 
 
 def _wrong_replays(backend: TritonBackend, case: Any, expect: torch.Tensor, replays: int) -> int:

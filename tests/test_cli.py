@@ -282,9 +282,10 @@ def test_explain_shows_the_machine_code_of_the_triton_kernels() -> None:
     assert "compiling the Triton kernels for sm_90" in done.stderr
     rows = table_rows(done.stdout)
     assert "split_decode_kernel" in rows, done.stdout
-    kernel = rows["split_decode_kernel"]  # name, tile, warps, stages, splits, registers, stack B, shared B, loop, mix
-    assert 0 < int(kernel[5]) <= 255 and 0 <= int(kernel[6]) <= 256 and int(kernel[7]) > 0 and int(kernel[8]) > 100, kernel
-    assert "MMA" in " ".join(kernel[9:]), kernel
+    kernel = rows["split_decode_kernel"]  # name, grid, tile, warps, stages, splits, registers, stack, shared, loop, mix
+    assert kernel[1] == "256x1x1", kernel  # (a program per request and KV head, one split)
+    assert 0 < int(kernel[6]) <= 255 and 0 <= int(kernel[7]) <= 256 and int(kernel[8]) > 0 and int(kernel[9]) > 100
+    assert "MMA" in " ".join(kernel[10:]), kernel
 
 
 _HOPPER_TRITON = ["--capability", "9.0", "--packages", "triton"]

@@ -45,6 +45,7 @@ class KernelCode:
     """One compiled kernel of a step: its launch shape, resources, main loop and machine code."""
 
     kernel: str
+    grid: tuple[int, ...]  # programs launched (x, y, z)
     config: dict[str, int]  # block_n, warps, stages, splits
     registers: int  # per thread (-1: not reported)
     spills: int  # bytes of stack per thread (-1: not reported)
@@ -142,7 +143,7 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
 
     from msa.backends.triton import TritonBackend
     from msa.backends.triton.config import choose_config
-    from msa.backends.triton.launch import Workspace, _kernel_constants, _launches, decode_args
+    from msa.backends.triton.launch import Workspace, step_launches
     from msa.planning import StepTables
     from msa.validation import check_decode_inputs
     from msa.workload import make_decode_step
@@ -164,12 +165,10 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     out = torch.empty(inputs.q.shape, dtype=problem.out_dtype)
     rows = TritonBackend(**overrides).plan(problem, tables).rows
     lse = torch.empty((problem.num_rows, geometry.num_q_heads), dtype=torch.float32) if with_lse else None
-    args = decode_args(problem, inputs, rows, out, lse, config, workspace)
-    args.update(_kernel_constants(problem, config))
     target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
     results = []
-    for kernel, kernel_args in _launches(problem, rows, config, workspace, with_lse):
-        kargs = kernel_args(args)
+    for kernel, launch_args in step_launches(problem, inputs, rows, out, lse, config, workspace):
+        kargs = dict(launch_args)
         num_warps, num_stages = kargs.pop("num_warps", 4), kargs.pop("num_stages", 3)
         sig, constants, attributes = _signature(kernel.fn, kargs)
         with warnings.catch_warnings():  # (Triton 3.9's notice that its FP-fusion default will change)
@@ -179,7 +178,7 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
         sass = compiled.asm["sass"]
         resources = cubin_resources(compiled.asm["cubin"])
         results.append(KernelCode(
-            kernel=kernel.fn.__name__,
+            kernel=kernel.fn.__name__, grid=kernel.grid,
             config=dict(block_n=config.block_n, warps=num_warps, stages=num_stages, splits=config.num_splits),
             registers=resources["registers"], spills=resources["spills"], shared=compiled.metadata.shared,
             loop=loop_summary(sass), sass=sass, ttgir=compiled.asm["ttgir"],

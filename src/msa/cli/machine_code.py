@@ -58,8 +58,9 @@ def print_machine_code(problem: DecodeProblem, platform: Platform, chosen: str |
     for code in codes:
         looped = code.loop.get("instructions", 0) >= _LOOP_MIN  # (a program of one tile has no loop over tiles)
         mix = " ".join(f"{k} {code.loop[k]}" for k in LOOP_PATTERNS if code.loop.get(k)) if looped else "no tile loop"
-        rows.append([code.kernel, code.config["block_n"], code.config["warps"], code.config["stages"],
-                     code.config["splits"], code.registers, code.spills, code.shared,
+        config = code.config
+        rows.append([code.kernel, "x".join(map(str, code.grid)), config["block_n"], config["warps"], config["stages"],
+                     config["splits"], code.registers, code.spills, code.shared,
                      code.loop["instructions"] if looped else "-", mix])
-    print(format_table(["kernel", "tile", "warps", "stages", "splits", "registers", "stack B", "shared B",
+    print(format_table(["kernel", "grid", "tile", "warps", "stages", "splits", "registers", "stack B", "shared B",
                         "loop instr", "loop mix"], rows))
