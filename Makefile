@@ -47,7 +47,8 @@ demo: $(STAMP)
 pytest: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
-# the cases marked slow (larger interpreter runs; every kernel path is also covered by `make test`)
+# the cases marked slow (larger interpreter runs, and the TP2/TP4 sm_90 spill compiles the GPU gate also
+# runs; every kernel path is also covered by `make test`)
 test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m slow
 
