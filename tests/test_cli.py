@@ -269,15 +269,14 @@ def test_explain_shows_the_machine_code_of_the_triton_kernels() -> None:
     GPU here) and tabulates them: here M3 TP1's fp8 per-token kernel for sm_90 (B = 64, one
     pass), its tensor-core loop over tiles and few bytes of stack. Run as a child: the compiler needs
     `TRITON_INTERPRET` unset."""
-    from test_sass import compiler_env
-
-    argv = ["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "triton", "--machine-code"]
-    done = subprocess.run([sys.executable, "-m", "msa", *argv], env=compiler_env(), capture_output=True, text=True,
-                          timeout=600, check=False)
     import triton
+    from test_sass import compiler_env
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
         pytest.skip("this Triton bundles no ptxas")
+    argv = ["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "triton", "--machine-code"]
+    done = subprocess.run([sys.executable, "-m", "msa", *argv], env=compiler_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "compiling the Triton kernels for sm_90" in done.stderr
     rows = table_rows(done.stdout)
@@ -296,7 +295,7 @@ _HOPPER_TRITON = ["--capability", "9.0", "--packages", "triton"]
     (_HOPPER_TRITON, "TRITON_INTERPRET: expected unset"),
     ([*_HOPPER_TRITON, "--kv-form", "separate"], "--machine-code: expected a packed cache"),
     ([*_HOPPER_TRITON, "--dcp-size", "2"], "--machine-code: expected a step on one rank"),
-    ([*_HOPPER_TRITON, "--batch", "513"], "--batch: expected at most 512"),
+    ([*_HOPPER_TRITON, "--batch", "513"], "--batch: expected 1..512 requests"),
 ])
 def test_explain_machine_code_refuses_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,8 +25,8 @@ import torch
 from msa.errors import MSAInputError
 from msa.problem import Geometry
 
-__all__ = ["KernelCode", "LOOP_PATTERNS", "MAX_BATCH", "check_compiler", "compile_step", "cubin_resources",
-           "loop_summary"]
+__all__ = ["KernelCode", "LOOP_PATTERNS", "MAX_BATCH", "check_batch", "check_compiler", "compile_step",
+           "cubin_resources", "loop_summary"]
 
 #: Instruction classes counted in a main loop (regular expressions over the SASS).
 LOOP_PATTERNS = {
@@ -129,6 +129,13 @@ def check_compiler() -> None:
 MAX_BATCH = 512
 
 
+def check_batch(batch: int, argument: str = "batch") -> None:
+    """Refuse a batch `compile_step` will not build (`argument`: the name the caller gave it)."""
+    if not 1 <= batch <= MAX_BATCH:
+        raise MSAInputError(argument, f"1..{MAX_BATCH} requests to compile a step for (it is built in host memory)",
+                            batch)
+
+
 def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int = 1,
                  q_dtype: torch.dtype = torch.bfloat16, with_lse: bool = False, capability: tuple[int, int] = (9, 0),
                  sm_count: int = 132, overrides: dict[str, Any] | None = None) -> list[KernelCode]:
@@ -149,9 +156,7 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     from msa.workload import make_decode_step
 
     check_compiler()
-    if not 1 <= batch <= MAX_BATCH:
-        raise MSAInputError("batch", f"1..{MAX_BATCH} requests to compile a step for (it is built in host memory)",
-                            repr(batch))
+    check_batch(batch)
     overrides = dict(overrides or {})
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
     step = make_decode_step(geometry, batch_size=batch, decode_query_len=query_len, context_len=2048,

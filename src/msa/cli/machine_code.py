@@ -20,7 +20,7 @@ def print_machine_code(problem: DecodeProblem, platform: Platform, chosen: str |
     """Compile and summarise the Triton kernels `problem` launches on `platform` (a CUDA one,
     real or pretend), or say why not: another backend runs the step, the platform is no GPU, the
     cache is not packed, the step spans ranks, or the compiler failed (one `MSAInputError` naming `--machine-code`)."""
-    from msa.bench.machine_code import LOOP_PATTERNS, MAX_BATCH, check_compiler, compile_step
+    from msa.bench.machine_code import LOOP_PATTERNS, check_batch, check_compiler, compile_step
     from msa.display import format_table
     from msa.errors import MSAError, MSAInputError
 
@@ -35,9 +35,7 @@ def print_machine_code(problem: DecodeProblem, platform: Platform, chosen: str |
         raise MSAInputError("--machine-code", "a packed cache (--kv-form packed)", f"--kv-form {problem.kv_form}")
     if problem.dcp_size > 1:
         raise MSAInputError("--machine-code", "a step on one rank (--dcp-size 1)", f"--dcp-size {problem.dcp_size}")
-    if problem.batch_size > MAX_BATCH:
-        raise MSAInputError("--batch", f"at most {MAX_BATCH} with --machine-code (the step is built in host memory)",
-                            problem.batch_size)
+    check_batch(problem.batch_size, "--batch")
     check_compiler()
     major, minor = platform.capability
     print(f"compiling the Triton kernels for sm_{major}{minor} (seconds each) ...", file=sys.stderr, flush=True)
