@@ -180,14 +180,16 @@ def _e4m3_bytes(b, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr, SOFT: tl.constexpr):
+def _fit_q(q, q2, HALVES: tl.constexpr, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr,
+           SOFT: tl.constexpr):
     """The query tile(s) in `COMPUTE`, and the factor per head (heads along `AXIS`) the scores
     take back: 1.0, or with `FIT` (a bf16 query whose dots run in fp16) each head times the power
     of two that puts its largest finite magnitude in [2^14, 2^15), inside fp16's range (a bf16
     element past 65504 was inf there, its row's output NaN; one below 2^-24 flushed to 0), and the
     inverse power of two. Exact for every element from 2^-31 of its head's largest finite one; a
     head is fitted alone (one head's magnitude, Inf or NaN never moves another's), and its Inf and
-    NaN elements stay what they are. `q2` is NVFP4's odd half (or `q` again). Powers of two built
+    NaN elements stay what they are. `q2` is NVFP4's odd half with `HALVES`; without it `q2` is
+    not read and `q` is returned in its place (no second conversion). Powers of two built
     from the exponent bits (exact), the exponent clamped to [-112, 127]. An fp8 query is converted
     through `_opaque`, and so is every query with `SOFT` (`LaunchConfig.soft_e4m3`: an fp8 query
     arrives as bytes and is decoded to fp16 in registers, which Triton traces back to the byte
@@ -197,18 +199,24 @@ def _fit_q(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr, 
     rounds to bf16 as `_q_low` rounds it, so the two terms still sum to the query."""
     down = 1.0  # (unfitted: the scores' factor is `qk` as it is, `_score_factor`)
     if FIT:
-        qf, qf2 = q.to(tl.float32), q2.to(tl.float32)
-        a1 = tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0)
-        a2 = tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0)
-        amax = tl.maximum(tl.max(a1, axis=1 - AXIS), tl.max(a2, axis=1 - AXIS))
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0), axis=1 - AXIS)
+        qf2 = qf
+        if HALVES:
+            qf2 = q2.to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0),
+                                           axis=1 - AXIS))
         e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         e = tl.minimum(tl.maximum(e, -112), 127)
         up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
         down = ((113 + e) << 23).to(tl.float32, bitcast=True)
         q, q2 = qf * up, qf2 * up
     if (q.dtype.is_fp8() or SOFT) and tl.float32 != COMPUTE:  # (a GPU's 16-bit dots; the interpreter runs no PTX)
-        q, q2 = _opaque(q), _opaque(q2)
-    return q.to(COMPUTE), q2.to(COMPUTE), down
+        q = _opaque(q)
+        if HALVES:
+            q2 = _opaque(q2)
+    q = q.to(COMPUTE)
+    return q, q2.to(COMPUTE) if HALVES else q, down
 
 
 @triton.jit
@@ -228,12 +236,16 @@ def _q_low(q, SPLIT: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _query_terms(q, q2, AXIS: tl.constexpr, FIT: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr,
-                 SOFT: tl.constexpr):
+def _query_terms(q, q2, HALVES: tl.constexpr, AXIS: tl.constexpr, FIT: tl.constexpr, SPLIT: tl.constexpr,
+                 COMPUTE: tl.constexpr, SOFT: tl.constexpr):
     """The query as the dots take it: (q, q2) fitted (`_fit_q`), their second terms (`_q_low`),
-    and the factor per head the scores take back. `q2` is NVFP4's odd half (or `q` again)."""
-    lo, lo2 = _q_low(q, SPLIT, COMPUTE), _q_low(q2, SPLIT, COMPUTE)
-    q, q2, down = _fit_q(q, q2, AXIS, FIT, COMPUTE, SOFT)
+    and the factor per head the scores take back. With `HALVES` `q2` is NVFP4's odd half; without
+    it `q2` is not read and the second and fourth results are the first and third again."""
+    lo = _q_low(q, SPLIT, COMPUTE)
+    lo2 = lo
+    if HALVES:
+        lo2 = _q_low(q2, SPLIT, COMPUTE)
+    q, q2, down = _fit_q(q, q2, HALVES, AXIS, FIT, COMPUTE, SOFT)
     return q, q2, lo, lo2, down
 
 
@@ -400,7 +412,7 @@ def split_decode_kernel(
               SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
-    q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
+    q, _, q_lo, _, q_back = _query_terms(q, q, False, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
 
     rank, ids, pages, count = _entries(topk_ptr, table_ptr, h, r, b, limit, num_pages,
@@ -551,7 +563,7 @@ def _nvfp4_walk(q_ptr, k_ptr, v_ptr, r, h, qh, g_mask, n, split, steps, rank, id
         q_odd = tl.load(q_base + qh[:, None] * stride_qh + 2 * dh[None, :] + 1, mask=g_mask[:, None], other=0.0)
         q_even, q_odd = _e4m3(q_even, SOFT_E4M3), _e4m3(q_odd, SOFT_E4M3)
         acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], tl.float32)
-    q_even, q_odd, lo_even, lo_odd, q_back = _query_terms(q_even, q_odd, 1 if SWAP_AB else 0, Q_FIT, Q_SPLIT,
+    q_even, q_odd, lo_even, lo_odd, q_back = _query_terms(q_even, q_odd, True, 1 if SWAP_AB else 0, Q_FIT, Q_SPLIT,
                                                           COMPUTE, SOFT_E4M3)
     qk = _score_factor(qk, q_back, 1 if SWAP_AB else 0, Q_FIT)
     acc_odd = acc_even
@@ -657,11 +669,11 @@ def split_dedup_kernel(
     if BLOCK_SCALED:
         q = _e4m3(tl.load(q_rows + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)  # the even elements
         q_odd = _e4m3(tl.load(q_rows + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q, q_odd, q_lo, lo_odd, q_back = _query_terms(q, q_odd, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
+        q, q_odd, q_lo, lo_odd, q_back = _query_terms(q, q_odd, True, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
         acc_odd = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     else:
         q = _e4m3(tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0), SOFT_E4M3)
-        q, _, q_lo, _, q_back = _query_terms(q, q, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
+        q, _, q_lo, _, q_back = _query_terms(q, q, False, 0, Q_FIT, Q_SPLIT, COMPUTE, SOFT_E4M3)
     qk, vs = _scales(qk_scale, v_scale, sm_scale_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
                      SM_SCALE_PTR, Q_SCALE_PTR, K_SCALE_PTR, V_SCALE_PTR)
     qk = _score_factor(qk, q_back, 0, Q_FIT)
