@@ -142,13 +142,13 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     """Compile, for a GPU of `capability` with `sm_count` SMs, every kernel the Triton backend
     launches for a step of `geometry` over a packed `layout` cache (B = `batch` <= `MAX_BATCH`
     requests of 2048 tokens, L = `query_len`, a `q_dtype` query, the LSE written or not;
-    `overrides`: `TritonBackend` options, and `maxnreg` for ptxas). Runs on the CPU; Triton's
-    interpreter must be off (`TRITON_INTERPRET` unset)."""
+    `overrides`: `TritonBackend` options, and `maxnreg` for ptxas). The launch config is the one
+    `choose_config` picks on that GPU; the rows are the step's own (`StepTables`, which no device
+    changes). Runs on the CPU; Triton's interpreter must be off (`TRITON_INTERPRET` unset)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from msa.backends.triton import TritonBackend
     from msa.backends.triton.config import choose_config
     from msa.backends.triton.launch import Workspace, step_launches
     from msa.planning import StepTables
@@ -168,11 +168,10 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
                            **overrides)
     workspace = Workspace(problem, config, torch.device("cpu"))
     out = torch.empty(inputs.q.shape, dtype=problem.out_dtype)
-    rows = TritonBackend(**overrides).plan(problem, tables).rows
     lse = torch.empty((problem.num_rows, geometry.num_q_heads), dtype=torch.float32) if with_lse else None
     target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
     results = []
-    for kernel, launch_args in step_launches(problem, inputs, rows, out, lse, config, workspace):
+    for kernel, launch_args in step_launches(problem, inputs, tables.rows, out, lse, config, workspace):
         kargs = dict(launch_args)
         num_warps, num_stages = kargs.pop("num_warps", 4), kargs.pop("num_stages", 3)
         sig, constants, attributes = _signature(kernel.fn, kargs)
