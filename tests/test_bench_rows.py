@@ -84,3 +84,25 @@ def test_the_eager_table_names_the_backend_and_the_overlap() -> None:
     lines = eager_table({"rows": [row, dict(row, overlap=None, entry="vllm-kernel", backend="engine")]}).splitlines()
     assert lines[0].split()[:7] == ["layout", "TP", "B", "L", "overlap", "entry", "point"]
     assert "0.8" in lines[2] and "cute" in lines[2] and " - " in lines[3] and "engine" in lines[3]
+
+
+def test_the_flashinfer_harness_measures_against_the_unrounded_reference() -> None:
+    """`flashinfer_sm90.reference_f32` is the reference backend's output before its bf16 rounding:
+    rounded, it is that output bit for bit; unrounded, a kernel exact up to its own bf16 rounding
+    measures no more than half a bf16 step of the largest element (2^-8), where against the rounded
+    output it could read a whole step."""
+    import torch
+
+    import msa
+    from msa.workload import make_decode_step
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import flashinfer_sm90
+
+    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=3, decode_query_len=2, context_len=1024,
+                            kv_cache_dtype="fp8_e4m3", seed=7)
+    kw = step.kwargs()
+    exact = flashinfer_sm90.reference_f32(kw)
+    rounded = msa.sparse_decode(**kw, backend="reference")
+    assert exact.dtype == torch.float32 and torch.equal(exact.to(torch.bfloat16), rounded)
+    assert 0 < flashinfer_sm90.rel_err(rounded, exact) <= 2.0**-8
