@@ -2,10 +2,13 @@
 dense attention over the whole context, an independent formulation), at M3 shapes, on fresh
 random data every run (GPU):
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/precision.py --out DIR [--batch 4] [--context 16384] [--tp 1,8]
+    PYTHONPATH=src:benchmarks python3 benchmarks/precision.py --out DIR [--batch 4] [--context 16384] [--tp 1,8] \
+        [--query-len 4 --overlap 0.8]
 
 For every layout (bf16, fp8, NVFP4) x query dtype (bf16, f16, fp8) x kernel that serves it (the
-reference backend in float32, Triton, `cute` with each of its kernels), the output's relative
+reference backend in float32, what `auto` runs, Triton, `cute` with each of its kernels; the
+policy's choice depends on the batch and query length, so a wide step needs its own `--batch`
+and `--query-len`), the output's relative
 error ||out - oracle|| / ||oracle|| (Frobenius, over the whole step) and max |out - oracle| /
 max |oracle|. The oracle reads the same quantised cache, so this is the kernels' own error (the
 products, the softmax, the bf16 output), not the cache's quantisation. Writes precision.json
@@ -33,6 +36,7 @@ from msa.workload import make_decode_step
 #: (label, backend factory, layouts it is asked for)
 KERNELS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("reference", None, ("bfloat16", "fp8_e4m3", "nvfp4")),
+    ("auto", "auto", ("bfloat16", "fp8_e4m3", "nvfp4")),
     ("triton", TritonBackend, ("bfloat16", "fp8_e4m3", "nvfp4")),
     ("cute mma", lambda: CuteBackend(kernel="mma"), ("fp8_e4m3", "nvfp4")),
     ("cute wgmma", lambda: CuteBackend(kernel="wgmma"), ("fp8_e4m3", "nvfp4")),
@@ -53,6 +57,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--query-len", type=int, default=1, help="query tokens per request L")
+    parser.add_argument("--overlap", type=float, default=None,
+                        help="share of a token's pages its request's previous token selected too (L > 1)")
     parser.add_argument("--tp", default="1,8", help="M3 tensor-parallel head layouts (1: 64/4 ... 8: 8/1)")
     parser.add_argument("--q", default="bf16,f16,fp8")
     parser.add_argument("--layouts", default="bfloat16,fp8_e4m3,nvfp4")
@@ -67,8 +74,9 @@ def main() -> None:
                 if q_name == "fp8" and layout == "bfloat16":
                     continue
                 seed += 1
-                step = make_decode_step(geometry, batch_size=args.batch, context_len=args.context,
-                                        kv_cache_dtype=layout, q_dtype=Q_DTYPES[q_name], device=args.device, seed=seed)
+                step = make_decode_step(geometry, batch_size=args.batch, decode_query_len=args.query_len,
+                                        context_len=args.context, kv_cache_dtype=layout, q_dtype=Q_DTYPES[q_name],
+                                        device=args.device, seed=seed, overlap=args.overlap)
                 kw = step.kwargs()
                 oracle, _ = dense_masked_attention(
                     step.q, step.kv_cache, step.topk_indices, step.block_table, step.seq_lens, layout=step.layout,
@@ -77,8 +85,8 @@ def main() -> None:
                 for label, factory, layouts in KERNELS:
                     if layout not in layouts:
                         continue
-                    if factory is None:
-                        out = msa.sparse_decode(**kw, backend="reference")
+                    if factory is None or factory == "auto":
+                        out = msa.sparse_decode(**kw, backend="reference" if factory is None else "auto")
                     else:
                         out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device=args.device)
                         try:
@@ -92,8 +100,9 @@ def main() -> None:
                 del step, kw, oracle
                 torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "precision.json").write_text(json.dumps(dict(batch=args.batch, context=args.context, seed=seed,
-                                                             rows=rows), indent=1))
+    (args.out / "precision.json").write_text(json.dumps(dict(batch=args.batch, context=args.context,
+                                                             query_len=args.query_len, overlap=args.overlap,
+                                                             seed=seed, rows=rows), indent=1))
     print(format_table(["TP", "layout", "q", "kernel", "rel (Frobenius)", "max / max"],
                        [[r["tp"], r["layout"], r["q"], r["kernel"], f"{r['rel']:.2e}", f"{r['rel_max']:.2e}"]
                         for r in rows]))
