@@ -10,7 +10,8 @@ the one vLLM's main branch calls on SM90) reads msa's packed fp8 cache `[pages, 
 is, a bf16 query (which it rounds to fp8 for an fp8 score product), the per-token block ids `[Hkv,
 R, K]` (sorted ascending, -1 only as a suffix: the steps here are sorted, which changes nothing for
 msa), the block table and the lengths, with softmax scale 1/sqrt(D) and no K/V scales (so the
-caches here are written and read with scales of 1). Each step is checked against msa's reference
+fp8 cache here holds the tokens' own values and is read with scales of 1; NVFP4 keeps its
+workload scales, FlashInfer never reads it). Each step is checked against msa's reference
 backend's float32 output (not rounded to bf16): the relative error (max |out - ref| / max |ref|)
 is printed beside the time. Times are
 medians of L2-flushed CUDA-graph replays (`msa.bench.timing.Timer`), FlashInfer's and msa's (the
@@ -76,11 +77,11 @@ def load_flashinfer() -> ModuleType:
 def make_step(tp: int, length: int, batch: int, overlap: float | None, layout: str, context: int,
               seed: int) -> dict[str, Any]:
     """msa.sparse_decode's arguments for M3 at `tp`: fresh data, lists sorted ascending (-1 last),
-    scales of 1. An fp8 cache holds the tokens' own N(0, 1) values (the workload writes them with
-    a scale of 1/16; FlashInfer takes no scale, and reading those bytes with a scale of 1 made
-    every K and V 16x and the scores' spread 16 instead of 1, outside any model's range: on
-    2026-12-06 FlashInfer's output was then ~1 relative error from the reference, and msa's fp8
-    score product 2.9e-2)."""
+    scales of 1 but for NVFP4's (which keeps the workload's). An fp8 cache holds the tokens' own
+    N(0, 1) values (the workload writes them with a scale of 1/16; FlashInfer takes no scale, and
+    reading those bytes with a scale of 1 made every K and V 16x and the scores' spread 16 instead
+    of 1, outside any model's range: on 2026-12-06 FlashInfer's output was then ~1 relative error
+    from the reference, and msa's fp8 score product 2.9e-2)."""
     g = msa.MINIMAX_M3_TP[tp]
     step = make_decode_step(g, batch_size=batch, decode_query_len=length, context_len=context,
                             kv_cache_dtype=layout, device="cuda", seed=seed)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import msa
+from msa.backends.triton.config import check_overrides
 from msa.bench.machine_code import LOOP_PATTERNS, compile_step
 from msa.cli.defaults import Q_DTYPES
 
@@ -52,6 +53,11 @@ def main() -> None:
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
     variants = [json.loads(v) for v in args.variant] or [{}]
+    for variant in variants:  # (compile_step takes them as given: a bad one would compile a config no launch takes)
+        try:
+            check_overrides({k: v for k, v in variant.items() if k != "maxnreg"})
+        except msa.MSAError as exc:
+            parser.error(f"--variant {json.dumps(variant)}: {exc}")
     major, _, minor = args.capability.partition(".")
     capability = (int(major), int(minor or 0))
     cases = [(layout, int(batch), overrides, args.query_len, Q_DTYPES[args.q_dtype], args.tp, capability)
