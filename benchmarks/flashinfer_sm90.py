@@ -38,7 +38,6 @@ from msa.backends.reference import ReferenceBackend
 from msa.bench.sweep import planned_step
 from msa.bench.timing import Timer, copy_bandwidth
 from msa.display import format_table
-from msa.planning import StepTables
 from msa.validation import check_decode_inputs
 from msa.workload import DEFAULT_SCALES, indexer_topk, make_decode_step
 
@@ -123,8 +122,7 @@ def reference_f32(kw: dict[str, Any]) -> torch.Tensor:
     largest elements read as 3.9e-3 to 7.8e-3 (2026-12-06: every msa error was such steps)."""
     problem, inputs = check_decode_inputs(**kw)
     out = torch.empty(inputs.q.shape, dtype=torch.float32, device=inputs.q.device)
-    backend = ReferenceBackend()
-    backend.run(backend.plan(problem, StepTables.for_inputs(problem, inputs)), inputs, out, None)
+    ReferenceBackend().run_step(problem, inputs, out)
     return out
 
 
