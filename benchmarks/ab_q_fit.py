@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
+from types import ModuleType
 
 import torch
 
@@ -24,11 +25,11 @@ from msa.display import format_table
 from msa.workload import DecodeStep, make_decode_step
 
 
-def _step(step: DecodeStep, layout: str, length: int) -> tuple[Callable[[], object], float]:
+def _step(step: DecodeStep, layout: str, length: int, backend: str = "triton") -> tuple[Callable[[], object], float]:
     """A planned graph-capturable call of `step` on a fresh planner (the launcher decides the fit,
     as patched, when it first meets the step), and its error against the reference."""
     kw = step.kwargs()
-    planner = msa.DecodePlanner(step.geometry, kv_cache_dtype=layout, backend="triton", device="cuda",
+    planner = msa.DecodePlanner(step.geometry, kv_cache_dtype=layout, backend=backend, device="cuda",
                                 q_dtype=kw["q"].dtype)
     out = torch.empty_like(kw["q"])
     plan = planner.plan(kw["block_table"], kw["seq_lens"], decode_query_len=length)
@@ -44,22 +45,24 @@ def _step(step: DecodeStep, layout: str, length: int) -> tuple[Callable[[], obje
 
 
 def interleaved(timer: Timer, step: DecodeStep, layout: str, length: int, attribute: str,
-                variants: Mapping[str, Callable[..., object]]) -> tuple[dict[str, float], dict[str, float]]:
+                variants: Mapping[str, Callable[..., object]], module: ModuleType = launch,
+                backend: str = "triton") -> tuple[dict[str, float], dict[str, float]]:
     """`step` timed (L2-flushed graph replays, `timer`) and checked against the reference with
-    `launch.<attribute>` replaced by each of two `variants` in turn, interleaved (first, second,
-    first again, so that drift shows), on a fresh planner each: (fastest us, max abs error) by
-    variant name. The launcher's own function is put back whatever happens."""
-    own = getattr(launch, attribute)
+    `<module>.<attribute>` (the Triton launcher's by default) replaced by each of two `variants`
+    in turn, interleaved (first, second, first again, so that drift shows), on a fresh planner of
+    `backend` each: (fastest us, max abs error) by variant name. The module's own function is put
+    back whatever happens."""
+    own = getattr(module, attribute)
     first, second = variants
     times: dict[str, list[float]] = {first: [], second: []}
     errors = {}
     try:
         for name in (first, second, first):
-            setattr(launch, attribute, variants[name])
-            call, errors[name] = _step(step, layout, length)
+            setattr(module, attribute, variants[name])
+            call, errors[name] = _step(step, layout, length, backend)
             times[name].append(timer.graph(call))
     finally:
-        setattr(launch, attribute, own)
+        setattr(module, attribute, own)
     return {name: min(t) for name, t in times.items()}, errors
 
 

@@ -68,13 +68,25 @@ _MIN_STEPS_PER_WARP = 4
 #: registers; NVFP4 and fp8, any page size of a multiple of 16) and "wgmma" (`sm90.py`: TMA ring
 #: and WGMMA; fp8, NVFP4, bf16 and f16 on compute capability 9.x, pages of a multiple of 64 tokens).
 KERNELS = ("mma", "wgmma")
+#: The wgmma kernel's score product of several query terms issues the smallest term's k-steps
+#: first. Hopper's fp8 products keep about 13 significant bits of each k-step's running sum, so
+#: every k-step's rounding is relative to the accumulator as it then stands: the lo terms (2^-4
+#: of the hi term's size and less) summed into a still small accumulator lose almost nothing,
+#: where after the hi term they each lost as much as one of its k-steps. H100, M3 fp8 at 16K,
+#: against the float64 oracle, same run (benchmarks/ab_terms_order.py, 2026-12-06): f16 q 3.9e-4
+#: Frobenius (max / max 0.6-1.0e-3) against 1.23e-3 (2.1-4.5e-3) hi first, where the exact f16
+#: product reads 2.8e-4; bf16 q 1.69e-3 against 1.97e-3 (Triton 1.67e-3, the bf16 output's own
+#: rounding). Free: the same instructions, timed level (TP1 B = 128 / 256 104.4 / 191.1 us
+#: against 105.0 / 191.0; L = 4 at 80% overlap within 0.6 us).
+WGMMA_TERMS_LO_FIRST = True
 #: The wgmma kernel's cache kind per layout.
 WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "float16": "f16"}
 #: fp8 steps of at most 3 CTAs per SM take the wgmma kernel's exact f16 score product (keys
 #: decoded into registers) by default. H200, M3 fp8 at 64K (benchmarks/precision.py,
-#: bench_cute.py): the fp8 product of the query's fp8 terms adds ~1e-3 relative error to the
-#: output against the float64 oracle (f16 q: 1.24e-3 where the f16 product holds 2.7e-4, as
-#: Triton does; bf16 q: 1.99e-3 against 1.68e-3) and is 0-2% faster there (TP1 B = 16 / 64:
+#: bench_cute.py): the fp8 product of the query's fp8 terms added ~1e-3 relative error to the
+#: output against the float64 oracle with its hi term first (f16 q: 1.24e-3 where the f16 product
+#: holds 2.7e-4, as Triton does; bf16 q: 1.99e-3 against 1.68e-3; lo first, 1.4x the f16
+#: product's: `WGMMA_TERMS_LO_FIRST`) and is 0-2% faster there (TP1 B = 16 / 64:
 #: 25.0 / 49.3 us against 25.4 / 50.0; TP8 B = 64 / 256: 23.4 / 48.5 against 23.5 / 48.4).
 #: Wider steps keep the fp8 product (`choose_wgmma_shape`), as do the fp8 steps of several rows a
 #: request that take two warpgroups a CTA (`WGMMA_SHARED_ROWS_WGS`: two 128-thread warpgroups twice

@@ -23,8 +23,10 @@ split). Its selected pages are walked as 64-token tiles:
   element in [128, 256). Two terms hold every bf16 element from 2^-9 of the head's largest up
   exactly, three every f16 element from 2^-6 up (below that, within 2^-17 of the largest:
   `tests/test_cute.py`); an fp8 query is one term, as given. The terms' products are summed by
-  the tensor core's fp8 accumulation, which is not full f32 on Hopper: measured against the
-  float64 oracle it adds ~1e-3 relative error to the output (benchmarks/precision.py).
+  the tensor core's fp8 accumulation, which keeps ~13 bits of the running sum on Hopper: the
+  smallest term's k-steps go first (`Sm90Spec.lo_first`), while the sum is small, so that an
+  f16 query's output is 3.9e-4 from the float64 oracle where the exact product's is 2.8e-4 (the
+  hi term first: 1.23e-3; benchmarks/ab_terms_order.py).
   `kreg` (always for NVFP4): each thread decodes its keys from the tile straight into f16
   A-operand registers (fp8 exactly; NVFP4 codes times their block scales, exact in f16), and the
   query is one f16 term (bf16 scaled by the same power of two: exact from 2^-21 of the head's
@@ -87,6 +89,7 @@ from msa.backends.cute.config import (
     WGMMA_MAX_CLUSTER,
     WGMMA_REFILL,
     WGMMA_REFILL_DEFAULT,
+    WGMMA_TERMS_LO_FIRST,
     WGMMA_TOKENS,
     WIDE_KINDS,
     WIDE_Q_TERMS,
@@ -179,6 +182,9 @@ class Sm90Spec:
         trace: profiling: thread 0 of each CTA writes its SM clock at the walk's milestones
             (`TRACE_POINTS`) to `TRACE_WORDS` int64 words at `lse` + (program x splits + split) x
             8 `TRACE_WORDS` instead of any LSE (benchmarks/trace_cute.py reads them).
+        lo_first: the score product of several query terms takes the smallest term's k-steps
+            first and the largest's last (`config.WGMMA_TERMS_LO_FIRST`), so that the small
+            terms' products are summed while the accumulator is small.
     """
 
     page_size: int
@@ -201,6 +207,7 @@ class Sm90Spec:
     evict: str = WGMMA_EVICT_DEFAULT
     refill: str = WGMMA_REFILL_DEFAULT
     trace: bool = False
+    lo_first: bool = WGMMA_TERMS_LO_FIRST
 
 
 def _flag(cond: Any) -> Any:
@@ -404,6 +411,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         raise ValueError("tconv converts fp8 keys on the tensor cores (not NVFP4 codes)")
     KREG = spec.kreg or NVFP4 or TCONV  # keys in f16 registers, one f16 query term
     TERMS = WIDE_Q_TERMS[spec.kind][spec.q_kind] if WIDE else 1 if KREG else Q_TERMS[spec.q_kind]
+    LO_FIRST = spec.lo_first
     LAG = spec.lag
     LATE = spec.refill == "late"
     WGS = spec.wgs
@@ -930,9 +938,10 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
                 # registers are written, so that no register a wgmma reads is written while one is
                 # in flight (ptxas would serialise them all)
                 cute.gemm(pv_mma, accO, tOrV, tOrP, accO)
-            for t in cutlass.range_constexpr(TERMS):
+            for n in cutlass.range_constexpr(TERMS):
+                t = TERMS - 1 - n if LO_FIRST else n  # (the smallest terms first: `Sm90Spec.lo_first`)
                 for kk in cutlass.range_constexpr(NKQ):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, t + kk > 0)
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, n + kk > 0)
                     if cutlass.const_expr(KREG):
                         cute.gemm(qk_mma, accS, tSrK[(None, None, kk)], tSrQ[(None, None, kk, t)], accS)
                     else:
