@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 import msa
-from msa.backends.triton.config import check_overrides
-from msa.bench.machine_code import LOOP_PATTERNS, compile_step
+from msa.bench.machine_code import compile_step, loop_mix
 from msa.cli.defaults import Q_DTYPES
 
 
@@ -53,18 +52,17 @@ def main() -> None:
     parser.add_argument("--dump", type=Path)
     args = parser.parse_args()
     variants = [json.loads(v) for v in args.variant] or [{}]
-    for variant in variants:  # (compile_step takes them as given: a bad one would compile a config no launch takes)
-        try:
-            check_overrides({k: v for k, v in variant.items() if k != "maxnreg"})
-        except msa.MSAError as exc:
-            parser.error(f"--variant {json.dumps(variant)}: {exc}")
     major, _, minor = args.capability.partition(".")
     capability = (int(major), int(minor or 0))
     cases = [(layout, int(batch), overrides, args.query_len, Q_DTYPES[args.q_dtype], args.tp, capability)
              for layout in args.layouts.split(",") for batch in args.batches.split(",") for overrides in variants]
     with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(cases))),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-        for (layout, batch, overrides, *_), results in zip(cases, pool.map(_compile_case, cases), strict=True):
+        try:  # (compile_step checks each variant as the backend would: a bad one is one line, not a traceback)
+            compiled = list(pool.map(_compile_case, cases))
+        except msa.MSAError as exc:
+            parser.error(f"--variant: {exc}")
+        for (layout, batch, overrides, *_), results in zip(cases, compiled, strict=True):
             for r in results:
                 if args.dump:
                     args.dump.mkdir(parents=True, exist_ok=True)
@@ -74,8 +72,7 @@ def main() -> None:
                 loop = r["loop"]
                 print(f"{r['kernel']:22s} {layout:9s} B={batch:3d} {json.dumps(overrides):40s} "
                       f"regs {r['registers']:3d} spills {r['spills']} smem {r['shared']:6d} | loop "
-                      f"{loop.get('instructions', 0)} instr: " + " ".join(
-                          f"{k} {loop[k]}" for k in LOOP_PATTERNS if loop.get(k)), flush=True)
+                      f"{loop.get('instructions', 0)} instr: {loop_mix(loop)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
 import torch
 
 import msa
-from msa.errors import MSAError, MSAInputError, MSAUnsupportedError
+from msa.errors import MSAError, MSAInputError, MSAKeyError, MSAUnsupportedError
 from msa.layouts import get_layout
 from msa.validation import check_decode_inputs
 
@@ -319,3 +320,16 @@ def test_first_hour_edges() -> None:
     assert isinstance(info.value, MSAInputError)
     assert str(info.value).startswith("MINIMAX_M3_TP: expected a tensor-parallel size in [1, 2, 4, 8], got 3")
     assert msa.MINIMAX_M3_TP.get(3) is None and msa.MINIMAX_M3_TP[8].num_q_heads == 8
+
+
+@pytest.mark.parametrize("error", [
+    MSAInputError("q", "a CUDA tensor", "a CPU tensor", "move it first"),
+    MSAKeyError("backend", "a registered name", "'nope'"),
+    MSAUnsupportedError("no backend serves this step", {"triton": ["needs a GPU"], "cute": ["sm_90a"]}),
+])
+def test_errors_survive_pickling_whole(error: MSAError) -> None:
+    """An msa error raised in a worker process (multiprocessing pickles it) reaches the parent as
+    the same type with the same message and attributes."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)

@@ -24,10 +24,15 @@ class MSAInputError(MSAError, ValueError):
         self.argument = argument
         self.expected = expected
         self.given = given
+        self.hint = hint
         message = f"{argument}: expected {expected}, got {given}"
         if hint:
             message += f". {hint}"
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[MSAInputError], tuple[str, str, object, str]]:
+        """Pickled as its arguments (an error raised in a worker process reaches its parent whole)."""
+        return type(self), (self.argument, self.expected, self.given, self.hint)
 
 
 class MSAKeyError(MSAInputError, KeyError):
@@ -46,12 +51,17 @@ class MSAUnsupportedError(MSAError, NotImplementedError):
 
     def __init__(self, message: str, reasons: dict[str, list[str]] | None = None) -> None:
         self.reasons: dict[str, list[str]] = dict(reasons or {})
+        self.headline = message
         if self.reasons:
             lines = [message]
             for name, why in self.reasons.items():
                 lines.append(f"  {name}: " + "; ".join(why))
             message = "\n".join(lines)
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[MSAUnsupportedError], tuple[str, dict[str, list[str]]]]:
+        """Pickled as its arguments (see `MSAInputError.__reduce__`)."""
+        return type(self), (self.headline, self.reasons)
 
 
 class MSAPluginError(MSAError, RuntimeError):

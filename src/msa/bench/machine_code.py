@@ -26,7 +26,7 @@ from msa.errors import MSAInputError
 from msa.problem import Geometry
 
 __all__ = ["KernelCode", "LOOP_PATTERNS", "MAX_BATCH", "check_batch", "check_compiler", "compile_step",
-           "cubin_resources", "loop_summary"]
+           "cubin_resources", "loop_mix", "loop_summary"]
 
 #: Instruction classes counted in a main loop (regular expressions over the SASS).
 LOOP_PATTERNS = {
@@ -117,6 +117,11 @@ def loop_summary(sass: str) -> dict[str, Any]:
     return {"instructions": sum(ops.values()), **counts, "top": dict(ops.most_common(10))}
 
 
+def loop_mix(loop: dict[str, Any]) -> str:
+    """A main loop's (`loop_summary`) instruction classes that occur in it, as "HGMMA 8 LDS 12 ..."."""
+    return " ".join(f"{k} {loop[k]}" for k in LOOP_PATTERNS if loop.get(k))
+
+
 def check_compiler() -> None:
     """Refuse to compile under Triton's interpreter (its JIT functions cannot be compiled)."""
     from msa.launcher import interpreting
@@ -142,14 +147,15 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     """Compile, for a GPU of `capability` with `sm_count` SMs, every kernel the Triton backend
     launches for a step of `geometry` over a packed `layout` cache (B = `batch` <= `MAX_BATCH`
     requests of 2048 tokens, L = `query_len`, a `q_dtype` query, the LSE written or not;
-    `overrides`: `TritonBackend` options, and `maxnreg` for ptxas). The launch config is the one
-    `choose_config` picks on that GPU; the rows are the step's own (`StepTables`, which no device
-    changes). Runs on the CPU; Triton's interpreter must be off (`TRITON_INTERPRET` unset)."""
+    `overrides`: `TritonBackend` options, checked as the backend checks them, and `maxnreg` for
+    ptxas). The launch config is the one `choose_config` picks on that GPU; the rows are the
+    step's own (`StepTables`, which no device changes). Runs on the CPU; Triton's interpreter
+    must be off (`TRITON_INTERPRET` unset)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from msa.backends.triton.config import choose_config
+    from msa.backends.triton.config import check_overrides, choose_config
     from msa.backends.triton.launch import Workspace, step_launches
     from msa.planning import StepTables
     from msa.validation import check_decode_inputs
@@ -159,6 +165,7 @@ def compile_step(geometry: Geometry, layout: str, batch: int, *, query_len: int 
     check_batch(batch)
     overrides = dict(overrides or {})
     options = {k: overrides.pop(k) for k in ("maxnreg",) if k in overrides}
+    check_overrides(overrides)  # (a bad one would compile a config no launch takes)
     step = make_decode_step(geometry, batch_size=batch, decode_query_len=query_len, context_len=2048,
                             kv_cache_dtype=layout, q_dtype=q_dtype, seed=0)
     problem, inputs = check_decode_inputs(**step.kwargs())

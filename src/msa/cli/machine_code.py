@@ -20,7 +20,7 @@ def print_machine_code(problem: DecodeProblem, platform: Platform, chosen: str |
     """Compile and summarise the Triton kernels `problem` launches on `platform` (a CUDA one,
     real or pretend), or say why not: another backend runs the step, the platform is no GPU, the
     cache is not packed, the step spans ranks, or the compiler failed (one `MSAInputError` naming `--machine-code`)."""
-    from msa.bench.machine_code import LOOP_PATTERNS, check_batch, check_compiler, compile_step
+    from msa.bench.machine_code import check_batch, check_compiler, compile_step, loop_mix
     from msa.display import format_table
     from msa.errors import MSAError, MSAInputError
 
@@ -55,7 +55,7 @@ def print_machine_code(problem: DecodeProblem, platform: Platform, chosen: str |
     rows = []
     for code in codes:
         looped = code.loop.get("instructions", 0) >= _LOOP_MIN  # (a program of one tile has no loop over tiles)
-        mix = " ".join(f"{k} {code.loop[k]}" for k in LOOP_PATTERNS if code.loop.get(k)) if looped else "no tile loop"
+        mix = loop_mix(code.loop) if looped else "no tile loop"
         config = code.config
         rows.append([code.kernel, "x".join(map(str, code.grid)), config["block_n"], config["warps"], config["stages"],
                      config["splits"], code.registers, code.spills, code.shared,

@@ -180,6 +180,13 @@ def _e4m3_bytes(b, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _finite_abs_max(x, AXIS: tl.constexpr):
+    """Each head's largest finite magnitude in the fp32 tile `x` (heads along `AXIS`; NaN and Inf
+    count as 0)."""
+    return tl.max(tl.where((x == x) & (tl.abs(x) < float("inf")), tl.abs(x), 0.0), axis=1 - AXIS)
+
+
+@triton.jit
 def _fit_q(q, q2, HALVES: tl.constexpr, AXIS: tl.constexpr, FIT: tl.constexpr, COMPUTE: tl.constexpr,
            SOFT: tl.constexpr):
     """The query tile(s) in `COMPUTE`, and the factor per head (heads along `AXIS`) the scores
@@ -200,12 +207,11 @@ def _fit_q(q, q2, HALVES: tl.constexpr, AXIS: tl.constexpr, FIT: tl.constexpr, C
     down = 1.0  # (unfitted: the scores' factor is `qk` as it is, `_score_factor`)
     if FIT:
         qf = q.to(tl.float32)
-        amax = tl.max(tl.where((qf == qf) & (tl.abs(qf) < float("inf")), tl.abs(qf), 0.0), axis=1 - AXIS)
+        amax = _finite_abs_max(qf, AXIS)
         qf2 = qf
         if HALVES:
             qf2 = q2.to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.where((qf2 == qf2) & (tl.abs(qf2) < float("inf")), tl.abs(qf2), 0.0),
-                                           axis=1 - AXIS))
+            amax = tl.maximum(amax, _finite_abs_max(qf2, AXIS))
         e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         e = tl.minimum(tl.maximum(e, -112), 127)
         up = tl.expand_dims(((141 - e) << 23).to(tl.float32, bitcast=True), 1 - AXIS)
