@@ -314,10 +314,10 @@ def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: b
     (1, 16, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
     (1, 8, WgmmaShape(4, 2, 2, False, True), WgmmaShape(8, 3, 1, True, True)),
     (4, 64, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
-    (4, 16, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True)),
+    (4, 16, WgmmaShape(8, 3, 1, True, True), WgmmaShape(8, 3, 1, True, True)),  # 16 heads below a wave: vreg
     (8, 64, WgmmaShape(4, 3, 1, True, True), WgmmaShape(4, 3, 1, True, True)),
     (8, 16, WgmmaShape(8, 3, 1, True, True), WgmmaShape(8, 3, 1, True, True)),
-    (1, 1, WgmmaShape(8, 3, 1, False, True), WgmmaShape(8, 3, 1, True, True))])
+    (1, 1, WgmmaShape(8, 3, 1, True, True), WgmmaShape(8, 3, 1, True, True))])
 def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: WgmmaShape, nvfp4: WgmmaShape) -> None:
     """fp8 and NVFP4 (keys and values always in registers; one warpgroup below the SMs) at M3's
     TP head layouts on 132 SMs."""
