@@ -59,20 +59,19 @@ def main() -> None:
     with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(cases))),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         try:  # (compile_step checks each variant as the backend would: a bad one is one line, not a traceback)
-            compiled = list(pool.map(_compile_case, cases))
+            for (layout, batch, overrides, *_), results in zip(cases, pool.map(_compile_case, cases), strict=True):
+                for r in results:
+                    if args.dump:
+                        args.dump.mkdir(parents=True, exist_ok=True)
+                        tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
+                        (args.dump / f"{tag}.sass").write_text(r["sass"])
+                        (args.dump / f"{tag}.ttgir").write_text(r["ttgir"])
+                    loop = r["loop"]
+                    print(f"{r['kernel']:22s} {layout:9s} B={batch:3d} {json.dumps(overrides):40s} "
+                          f"regs {r['registers']:3d} spills {r['spills']} smem {r['shared']:6d} | loop "
+                          f"{loop.get('instructions', 0)} instr: {loop_mix(loop)}", flush=True)
         except msa.MSAError as exc:
-            parser.error(f"--variant: {exc}")
-        for (layout, batch, overrides, *_), results in zip(cases, compiled, strict=True):
-            for r in results:
-                if args.dump:
-                    args.dump.mkdir(parents=True, exist_ok=True)
-                    tag = f"{r['kernel']}-{layout}-B{batch}-{abs(hash(json.dumps(overrides))) % 10**6}"
-                    (args.dump / f"{tag}.sass").write_text(r["sass"])
-                    (args.dump / f"{tag}.ttgir").write_text(r["ttgir"])
-                loop = r["loop"]
-                print(f"{r['kernel']:22s} {layout:9s} B={batch:3d} {json.dumps(overrides):40s} "
-                      f"regs {r['registers']:3d} spills {r['spills']} smem {r['shared']:6d} | loop "
-                      f"{loop.get('instructions', 0)} instr: {loop_mix(loop)}", flush=True)
+            parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -111,8 +111,12 @@ def sm90a_ptx(host: Any, dump: str | Path) -> str:
 
     from msa.backends.cute.kernel import compile_args
 
+    Path(dump).mkdir(parents=True, exist_ok=True)  # (without it the DSL writes nothing and `__ptx__` is only a path)
     fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
-    return fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
+    if ".target sm_90a" not in ptx:
+        raise RuntimeError(f"no sm_90a PTX from the DSL, only {ptx[:120]!r}")
+    return ptx
 
 
 def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:
