@@ -13,7 +13,8 @@ the reference first (max abs error printed). Prints a table.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 
 import torch
@@ -44,6 +45,17 @@ def _step(step: DecodeStep, layout: str, length: int, backend: str = "triton") -
     return call, float((out.float() - ref.float()).abs().max())
 
 
+@contextlib.contextmanager
+def patched(module: ModuleType, attribute: str, value: object) -> Iterator[None]:
+    """`<module>.<attribute>` replaced by `value` inside the block, put back whatever happens."""
+    own = getattr(module, attribute)
+    setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(module, attribute, own)
+
+
 def interleaved(timer: Timer, step: DecodeStep, layout: str, length: int, attribute: str,
                 variants: Mapping[str, Callable[..., object]], module: ModuleType = launch,
                 backend: str = "triton") -> tuple[dict[str, float], dict[str, float]]:
@@ -52,17 +64,13 @@ def interleaved(timer: Timer, step: DecodeStep, layout: str, length: int, attrib
     in turn, interleaved (first, second, first again, so that drift shows), on a fresh planner of
     `backend` each: (fastest us, max abs error) by variant name. The module's own function is put
     back whatever happens."""
-    own = getattr(module, attribute)
     first, second = variants
     times: dict[str, list[float]] = {first: [], second: []}
     errors = {}
-    try:
-        for name in (first, second, first):
-            setattr(module, attribute, variants[name])
+    for name in (first, second, first):
+        with patched(module, attribute, variants[name]):
             call, errors[name] = _step(step, layout, length, backend)
             times[name].append(timer.graph(call))
-    finally:
-        setattr(module, attribute, own)
     return {name: min(t) for name, t in times.items()}, errors
 
 

@@ -19,15 +19,14 @@ from typing import Any
 
 import attrs
 import torch
-from ab_q_fit import interleaved
-from precision import errors
+from ab_q_fit import interleaved, patched
+from precision import errors, kernel_output, step_oracle
 
 import msa
 from msa.backends.cute import CuteBackend, launch
 from msa.backends.triton import TritonBackend
 from msa.bench.timing import Timer
 from msa.display import format_table
-from msa.oracle import dense_masked_attention
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
 
@@ -48,18 +47,12 @@ def precision_rows(seed: int) -> list[list[Any]]:
             step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=batch, decode_query_len=length,
                                     context_len=16384, kv_cache_dtype="fp8_e4m3", q_dtype=q_dtype, device="cuda",
                                     seed=seed, overlap=overlap)
-            oracle, _ = dense_masked_attention(
-                step.q, step.kv_cache, step.topk_indices, step.block_table, step.seq_lens, layout=step.layout,
-                decode_query_len=step.decode_query_len, k_scale=step.k_scale, v_scale=step.v_scale)
+            oracle = step_oracle(step)
             problem, inputs = check_decode_inputs(**step.kwargs())
             found = []
             for name, backend in (("lo first", CuteBackend), ("hi first", CuteBackend), ("triton", TritonBackend)):
-                out = torch.full(step.q.shape, float("nan"), dtype=problem.out_dtype, device="cuda")
-                launch.spec_for = VARIANTS.get(name, OWN)
-                try:
-                    backend().run_step(problem, inputs, out, None)
-                finally:
-                    launch.spec_for = OWN
+                with patched(launch, "spec_for", VARIANTS.get(name, OWN)):
+                    out = kernel_output(backend(), problem, inputs)
                 found += [f"{e:.2e}" for e in errors(out, oracle)]
             rows.append([tp, batch, length, overlap or 0, q_name, *found])
             print(rows[-1], flush=True)

@@ -30,8 +30,9 @@ from msa.backends.cute import CuteBackend
 from msa.backends.triton import TritonBackend
 from msa.display import format_table
 from msa.oracle import dense_masked_attention
-from msa.validation import check_decode_inputs
-from msa.workload import make_decode_step
+from msa.problem import DecodeProblem
+from msa.validation import DecodeInputs, check_decode_inputs
+from msa.workload import DecodeStep, make_decode_step
 
 #: (label, backend factory, layouts it is asked for)
 KERNELS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
@@ -44,6 +45,20 @@ KERNELS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("cute wgmma terms", lambda: CuteBackend(kernel="wgmma", kreg=False), ("fp8_e4m3",)),
 )
 Q_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+def step_oracle(step: DecodeStep) -> torch.Tensor:
+    """The float64 oracle's output of `step` (`msa.oracle.dense_masked_attention`)."""
+    return dense_masked_attention(step.q, step.kv_cache, step.topk_indices, step.block_table, step.seq_lens,
+                                  layout=step.layout, decode_query_len=step.decode_query_len, k_scale=step.k_scale,
+                                  v_scale=step.v_scale)[0]
+
+
+def kernel_output(backend: Any, problem: DecodeProblem, inputs: DecodeInputs) -> torch.Tensor:
+    """`backend`'s output of a validated step, written over NaN (no LSE)."""
+    out = torch.full(inputs.q.shape, float("nan"), dtype=problem.out_dtype, device=inputs.q.device)
+    backend.run_step(problem, inputs, out, None)
+    return out
 
 
 def errors(out: torch.Tensor, oracle: torch.Tensor) -> tuple[float, float]:
@@ -78,9 +93,7 @@ def main() -> None:
                                         context_len=args.context, kv_cache_dtype=layout, q_dtype=Q_DTYPES[q_name],
                                         device=args.device, seed=seed, overlap=args.overlap)
                 kw = step.kwargs()
-                oracle, _ = dense_masked_attention(
-                    step.q, step.kv_cache, step.topk_indices, step.block_table, step.seq_lens, layout=step.layout,
-                    decode_query_len=step.decode_query_len, k_scale=step.k_scale, v_scale=step.v_scale)
+                oracle = step_oracle(step)
                 problem, inputs = check_decode_inputs(**kw)
                 for label, factory, layouts in KERNELS:
                     if layout not in layouts:
@@ -88,9 +101,8 @@ def main() -> None:
                     if factory is None or factory == "auto":
                         out = msa.sparse_decode(**kw, backend="reference" if factory is None else "auto")
                     else:
-                        out = torch.full(kw["q"].shape, float("nan"), dtype=problem.out_dtype, device=args.device)
                         try:
-                            factory().run_step(problem, inputs, out, None)
+                            out = kernel_output(factory(), problem, inputs)
                         except Exception as exc:  # a kernel that does not serve the step: say so
                             print(f"TP{tp} {layout} q={q_name} {label}: {type(exc).__name__}: {str(exc)[:160]}")
                             continue
