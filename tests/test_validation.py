@@ -330,6 +330,7 @@ def test_first_hour_edges() -> None:
 def test_errors_survive_pickling_whole(error: MSAError) -> None:
     """An msa error raised in a worker process (multiprocessing pickles it) reaches the parent as
     the same type with the same message and attributes."""
+    error.add_note("raised in a worker")
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
-    assert vars(back) == vars(error)
+    assert vars(back) == vars(error) and back.__notes__ == ["raised in a worker"]

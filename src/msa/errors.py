@@ -30,9 +30,10 @@ class MSAInputError(MSAError, ValueError):
             message += f". {hint}"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type[MSAInputError], tuple[str, str, object, str]]:
-        """Pickled as its arguments (an error raised in a worker process reaches its parent whole)."""
-        return type(self), (self.argument, self.expected, self.given, self.hint)
+    def __reduce__(self) -> tuple[type[MSAInputError], tuple[str, str, object, str], dict[str, object]]:
+        """Pickled as its arguments and state (an error raised in a worker process reaches its
+        parent whole, notes added with `add_note` included)."""
+        return type(self), (self.argument, self.expected, self.given, self.hint), dict(vars(self))
 
 
 class MSAKeyError(MSAInputError, KeyError):
@@ -59,9 +60,9 @@ class MSAUnsupportedError(MSAError, NotImplementedError):
             message = "\n".join(lines)
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type[MSAUnsupportedError], tuple[str, dict[str, list[str]]]]:
-        """Pickled as its arguments (see `MSAInputError.__reduce__`)."""
-        return type(self), (self.headline, self.reasons)
+    def __reduce__(self) -> tuple[type[MSAUnsupportedError], tuple[str, dict[str, list[str]]], dict[str, object]]:
+        """Pickled as its arguments and state (see `MSAInputError.__reduce__`)."""
+        return type(self), (self.headline, self.reasons), dict(vars(self))
 
 
 class MSAPluginError(MSAError, RuntimeError):

@@ -23,7 +23,7 @@ __all__ = [
     "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS", "WGMMA_WIDE_8HEAD_STAGES",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
-    "WGMMA_VREG_HEADS", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
+    "WGMMA_VREG_BELOW_WAVE", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
 ]
 
 #: Warps per CTA, tokens per warp step, steps each warp has in flight.
@@ -74,7 +74,7 @@ KERNELS = ("mma", "wgmma")
 #: of the hi term's size and less) summed into a still small accumulator lose almost nothing,
 #: where after the hi term they each lost as much as one of its k-steps. H100, M3 fp8 at 16K,
 #: against the float64 oracle, same run (benchmarks/ab_terms_order.py, 2026-12-06): f16 q 3.9e-4
-#: Frobenius (max / max 0.6-1.0e-3) against 1.23e-3 (2.1-4.5e-3) hi first, where the exact f16
+#: Frobenius (max / max 0.63-1.23e-3) against 1.23e-3 (2.1-4.5e-3) hi first, where the exact f16
 #: product reads 2.8e-4; bf16 q 1.69e-3 against 1.97e-3 (Triton 1.67e-3, the bf16 output's own
 #: rounding). Free: the same instructions, timed level (TP1 B = 128 / 256 104.4 / 191.1 us
 #: against 105.0 / 191.0; L = 4 at 80% overlap within 0.6 us).
@@ -92,17 +92,18 @@ WGMMA_KINDS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "float16
 #: request that take two warpgroups a CTA (`WGMMA_SHARED_ROWS_WGS`: two 128-thread warpgroups twice
 #: an SM) and fp8 queries (`_keys_in_registers`). `kreg` asks for either.
 WGMMA_FP8_KREG = True
-#: fp8 steps below one wave of one-warpgroup CTAs of these many query heads take their values
-#: into registers (`vreg`): 8 heads (TP8) with the keys decoded into f16 registers, not converted
-#: on the tensor cores (`tconv`, which chains a second product round trip before each tile's
-#: scores; H200, M3 fp8 at 64K, same-run A/B, benchmarks/bench_cute.py, 2026-12-04, session 19:
-#: TP8 B = 16 / 64 12.9 / 20.7 us against `tconv`'s 13.5 / 21.4; `trace_cute.py`: a tile's keys
-#: 0.09 us against 0.41); 16 heads (TP1 B < 8, TP2 B < 16, TP4 B < 32), where the values' f16
-#: copy through shared memory was on each tile's path (H100, M3 fp8 at 64K, same run,
-#: `bench_cute.py --variant '{"vreg":true}' --variant '{"vreg":false}'`, 2026-12-06, session 35,
-#: with / without, us: TP1 B = 1 / 4 11.9 / 12.4, 14.3 / 14.8; TP2 B = 1 / 8 11.3 / 11.9, 14.4 /
-#: 15.1; TP4 B = 1 / 16 / 24 11.3 / 12.0, 14.2 / 14.9, 15.9 / 16.7).
-WGMMA_VREG_HEADS = frozenset({8, 16})
+#: fp8 steps below one wave of one-warpgroup CTAs take their values into registers (`vreg`),
+#: at either head count a CTA (`wgmma_heads`: 8 or 16). 8 heads (TP8), with the keys decoded
+#: into f16 registers rather than converted on the tensor cores (`tconv`, which chains a second
+#: product round trip before each tile's scores): H200, M3 fp8 at 64K, same-run A/B
+#: (benchmarks/bench_cute.py, 2026-12-04, session 19), TP8 B = 16 / 64 12.9 / 20.7 us against
+#: `tconv`'s 13.5 / 21.4 (`trace_cute.py`: a tile's keys 0.09 us against 0.41). 16 heads (TP1
+#: B < 8, TP2 B < 16, TP4 B < 32), where the values' f16 copy through shared memory was on each
+#: tile's path: H100, M3 fp8 at 64K, same run (`bench_cute.py --variant '{"vreg":true}'
+#: --variant '{"vreg":false}'`, 2026-12-06, session 35), with / without, us: TP1 B = 1 / 4 11.9
+#: / 12.4, 14.3 / 14.8; TP2 B = 1 / 8 11.3 / 11.9, 14.4 / 15.1; TP4 B = 1 / 16 / 24 11.3 / 12.0,
+#: 14.2 / 14.9, 15.9 / 16.7.
+WGMMA_VREG_BELOW_WAVE = True
 #: The query heads of a CTA (exactly this many, at 32 columns a program) whose fp8 keys
 #: `_union_shape` converts on the tensor cores (ptxas serialises the products of its other shapes).
 WGMMA_TCONV_HEADS = 8
@@ -542,7 +543,7 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
       CTAs per SM, each keeping 4 tiles — fp8 TP8 B = 8 / 16 / 64 12.5 / 13.8 / 21.8 us against
       13.4 / 14.3 / 22.1 with two; NVFP4 TP1 B = 16 22.3 against 27.6, TP8 B = 16 / 64 13.2 /
       19.2 against 14.0 / 23.9; fp8 with 8- or 16-head CTAs (TP8; TP1 B < 8, TP4 B < 32) reads
-      its values into registers (`WGMMA_VREG_HEADS`).
+      its values into registers (`WGMMA_VREG_BELOW_WAVE`).
 
     NVFP4 takes the same walk with its keys and values always in registers (H200, M3 NVFP4
     against the mma kernel: TP1 B = 64 / 256 49.4 / 151.1 us against 51.0 / 162.8). fp8 keys in
@@ -578,7 +579,7 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
         return WgmmaShape(max(1, min(sm_count // programs, tiles // (2 * _WGMMA_MIN_TILES))), WGMMA_TWO_WG_STAGES, 2,
                           False, kreg)
-    vreg = nvfp4 or wgmma_heads(problem.geometry.group_size) in WGMMA_VREG_HEADS
+    vreg = nvfp4 or WGMMA_VREG_BELOW_WAVE
     return WgmmaShape(splits, stages, 1, vreg, kreg)
 
 
