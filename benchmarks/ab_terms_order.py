@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 from ab_q_fit import interleaved, patched
-from precision import errors, kernel_output, step_oracle
+from precision import errors, kernel_output
 
 import msa
 from msa.backends.cute import CuteBackend, launch
@@ -47,7 +47,7 @@ def precision_rows(seed: int) -> list[list[Any]]:
             step = make_decode_step(msa.MINIMAX_M3_TP[tp], batch_size=batch, decode_query_len=length,
                                     context_len=16384, kv_cache_dtype="fp8_e4m3", q_dtype=q_dtype, device="cuda",
                                     seed=seed, overlap=overlap)
-            oracle = step_oracle(step)
+            oracle = step.oracle()[0]
             problem, inputs = check_decode_inputs(**step.kwargs())
             found = []
             for name, backend in (("lo first", CuteBackend), ("hi first", CuteBackend), ("triton", TritonBackend)):

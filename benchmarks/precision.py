@@ -29,10 +29,9 @@ import msa
 from msa.backends.cute import CuteBackend
 from msa.backends.triton import TritonBackend
 from msa.display import format_table
-from msa.oracle import dense_masked_attention
 from msa.problem import DecodeProblem
 from msa.validation import DecodeInputs, check_decode_inputs
-from msa.workload import DecodeStep, make_decode_step
+from msa.workload import make_decode_step
 
 #: (label, backend factory, layouts it is asked for)
 KERNELS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
@@ -45,13 +44,6 @@ KERNELS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("cute wgmma terms", lambda: CuteBackend(kernel="wgmma", kreg=False), ("fp8_e4m3",)),
 )
 Q_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp8": torch.float8_e4m3fn}
-
-
-def step_oracle(step: DecodeStep) -> torch.Tensor:
-    """The float64 oracle's output of `step` (`msa.oracle.dense_masked_attention`)."""
-    return dense_masked_attention(step.q, step.kv_cache, step.topk_indices, step.block_table, step.seq_lens,
-                                  layout=step.layout, decode_query_len=step.decode_query_len, k_scale=step.k_scale,
-                                  v_scale=step.v_scale)[0]
 
 
 def kernel_output(backend: Any, problem: DecodeProblem, inputs: DecodeInputs) -> torch.Tensor:
@@ -93,7 +85,7 @@ def main() -> None:
                                         context_len=args.context, kv_cache_dtype=layout, q_dtype=Q_DTYPES[q_name],
                                         device=args.device, seed=seed, overlap=args.overlap)
                 kw = step.kwargs()
-                oracle = step_oracle(step)
+                oracle = step.oracle()[0]
                 problem, inputs = check_decode_inputs(**kw)
                 for label, factory, layouts in KERNELS:
                     if layout not in layouts:

@@ -46,3 +46,17 @@ def test_a_context_shorter_than_the_query_tokens_gives_a_valid_step() -> None:
     step = make_decode_step(msa.Geometry(4, 1, 64, 16, 4), batch_size=2, decode_query_len=32, context_len=8, seed=0)
     assert (step.seq_lens == 32).all() and step.block_table.shape[1] * 16 >= 32
     msa.sparse_decode(**step.kwargs(), validate=True)
+
+
+def test_a_steps_oracle_is_what_the_reference_computes() -> None:
+    """`DecodeStep.oracle` passes the step's cache, lists and scales: the reference's output and LSE
+    of the same step agree with it to the reference's own rounding (float32 over a quantised cache)."""
+    geometry = msa.MINIMAX_M3.tensor_parallel(8)
+    for dtype in ("fp8_e4m3", "nvfp4"):
+        step = make_decode_step(geometry, batch_size=2, decode_query_len=2, context_len=700, kv_cache_dtype=dtype,
+                                seed=11)
+        out, lse = step.oracle()
+        assert out.dtype == lse.dtype == torch.float64 and out.shape == step.q.shape
+        ref_out, ref_lse = msa.sparse_decode(**step.kwargs(), backend="reference", return_lse=True)
+        assert (ref_out.double() - out).abs().max().item() <= 2e-2 * out.abs().max().item(), dtype
+        assert (ref_lse.double() - lse).abs().max().item() <= 1e-3, dtype

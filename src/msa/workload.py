@@ -10,6 +10,7 @@ import torch
 
 from msa.errors import MSAInputError
 from msa.layouts import KVCache, KVLayout, get_layout
+from msa.oracle import dense_masked_attention
 from msa.problem import Geometry
 
 __all__ = ["DecodeStep", "make_decode_step", "indexer_topk", "as_kv_form", "KV_FORMS", "DEFAULT_SCALES"]
@@ -70,6 +71,16 @@ class DecodeStep:
             "k_scale": self.k_scale,
             "v_scale": self.v_scale,
         }
+
+    def oracle(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's float64 oracle (`msa.oracle.dense_masked_attention`, its scales included).
+
+        Returns:
+            `(out, lse)`: float64 `[B*L, Hq, D]` and `[B*L, Hq]`.
+        """
+        return dense_masked_attention(self.q, self.kv_cache, self.topk_indices, self.block_table, self.seq_lens,
+                                      layout=self.layout, decode_query_len=self.decode_query_len,
+                                      k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 def indexer_topk(

@@ -170,7 +170,6 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from msa.api import select_backend, sparse_decode
     from msa.display import format_table, progress
-    from msa.oracle import dense_masked_attention
     from msa.problem import MINIMAX_M3
     from msa.validation import check_decode_inputs
     from msa.workload import make_decode_step
@@ -210,17 +209,7 @@ def run(args: argparse.Namespace) -> int:
         out_err: float | str = "-"
         lse_err: float | str = "-"
         if not args.no_oracle:
-            dense_out, dense_lse = dense_masked_attention(
-                step.q,
-                step.kv_cache,
-                step.topk_indices,
-                step.block_table,
-                step.seq_lens,
-                layout=step.layout,
-                decode_query_len=step.decode_query_len,
-                k_scale=step.k_scale,
-                v_scale=step.v_scale,
-            )
+            dense_out, dense_lse = step.oracle()
             oracle_out = (ref_out.double() - dense_out).abs().max().item()
             oracle_lse = (ref_lse.double() - dense_lse).abs().max().item()
             worst = max(worst, oracle_out / bound, oracle_lse / LSE_TOLERANCE)

@@ -15,7 +15,7 @@ group, bf16 / f16 / fp8 queries, natural-log LSE. Two kernels:
   f16.
 
 `auto` takes this backend on Hopper for steps of at least `WGMMA_AUTO_MIN_PROGRAMS` (row, KV head,
-head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 8 of 16-head ones,
+head chunk) programs where the wgmma kernel serves them (16 of 8-head CTAs, fp8 1 of 16-head ones,
 NVFP4 16; bf16 and f16 caches only at one query row, GQA groups of 8 and a one-term query, where it
 measured 2-7% faster than the Triton kernel: `WGMMA_AUTO_16_BIT`), for the other NVFP4 steps of at
 least `AUTO_MIN_PROGRAMS` (row, KV head) programs and for no other fp8 step, eager or captured in

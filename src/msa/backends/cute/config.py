@@ -383,15 +383,18 @@ def wgmma_slots(problem: DecodeProblem, sm_count: int, stages: int, wgs: int, vr
 #: NVFP4 ones from 16 (TP4 B = 16: 15.4 against 16.8; TP4 B = 8: 15.0 against 13.5); 16-head
 #: fp8 ones, since their splits merge as one cluster, from 8 (2026-12-04, session 20, `msa
 #: bench --backends triton,cute`: TP2 B = 4 12.4 against 13.1, TP4 B = 8 12.5 against 13.1,
-#: TP1 B = 4 (16 programs) 14.4 against 15.5, TP4 B = 16 14.3 against 15.3; at 4 about level:
-#: TP4 B = 4 12.0 against 12.3, TP1 B = 1 11.8 against 11.7 in session 19). bf16 and f16 caches
+#: TP1 B = 4 (16 programs) 14.4 against 15.5, TP4 B = 16 14.3 against 15.3), and from 1 since their
+#: values sit in registers below a wave (`WGMMA_VREG_BELOW_WAVE`; H100, 2026-12-06, session 36,
+#: `bench_cute.py --tp 1,2,4 --batches 1,2,4,8`, two runs, us, cute / triton: TP1 B = 1 11.9 / 12.3
+#: both, TP2 B = 1 11.4 / 12.0 both, TP4 B = 1 11.5 / 11.9 and 11.3 / 11.7, TP4 B = 2 11.6 / 12.1
+#: and 11.4 / 11.8, TP1 B = 2 12.7 / 14.0; session 19 had TP1 B = 1 level). bf16 and f16 caches
 #: (the same kernel reading both products from the ring as stored) at one query row: 8-head CTAs
 #: from 16 programs (`msa bench --backends triton,cute --layouts bfloat16 --tp 8`, us, cute /
 #: triton: H200 2026-12-05 session 27, B = 1 / 16 / 64 / 256: 11.6 / 11.3, 15.9 / 17.0, 30.6 /
 #: 32.7, 74.7 / 77.0; H100 session 30, B = 1 / 4 / 16 / 64 / 128 / 256: 11.9 / 11.6, 13.0 / 13.3,
 #: 18.1 / 19.4, 39.7 / 41.7, 63.1 / 63.7, 103.6 / 105.8); 16-head ones never: within 2% where they
 #: win, up to 18% slower (`WGMMA_AUTO_16_BIT`).
-WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 8, ("nvfp4", 8): 16, ("nvfp4", 16): 16,
+WGMMA_AUTO_MIN_PROGRAMS = {("fp8", 8): 16, ("fp8", 16): 1, ("nvfp4", 8): 16, ("nvfp4", 16): 16,
                            ("bf16", 8): 16, ("f16", 8): 16}
 #: What `auto` gives the wgmma kernel of a 16-bit cache: the measured band only, steps of one
 #: query row, GQA groups of 8 and a query of one term of the cache's type (`WIDE_Q_TERMS`: not an
