@@ -39,6 +39,17 @@ OPTION_FLAGS = (("splits", "num_splits"), ("stages", "stages"), ("chains", "qk_c
 TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 operands, fp32 sums)
 
 
+class ReadFlush:
+    """Stands in for the timer's flush buffer: its `zero_` reads the buffer instead (a sum), so
+    that L2 is left holding clean lines rather than the dirty ones a write leaves."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.words = buffer.view(torch.int64)
+
+    def zero_(self) -> None:
+        torch.sum(self.words)
+
+
 @dataclass(frozen=True)
 class CheckCase:
     geometry: Geometry
@@ -124,12 +135,17 @@ def main() -> None:
                         help="the timed steps' top-k lists in ascending block-id order (default: score order)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
+    parser.add_argument("--flush", choices=("write", "read"), default="write",
+                        help="empty L2 before each repetition by writing 512 MB (the timer's: L2 left full of "
+                             "dirty lines) or by reading them (left clean)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
     t0 = time.time()
     checks = [] if args.skip_checks else check_cases(gen)
     print(f"checks done in {time.time() - t0:.1f} s (includes compiling)", flush=True)
     timer = Timer(reps=args.reps)
+    if args.flush == "read":
+        timer._flush = ReadFlush(timer._flush)  # type: ignore[assignment]
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
