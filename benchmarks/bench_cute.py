@@ -174,6 +174,7 @@ def main() -> None:
                   f"{n_bytes / us / 1e3 / copy:.2f} err {err:.1e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_cute.json").write_text(json.dumps(dict(copy_gbps=copy, checks=checks, rows=rows), indent=1))
+    print(f"L2 emptied by a 512 MB {args.flush} before each replay")
     print(f"copy bandwidth {copy:.0f} GB/s; checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")
     print(format_table(["TP", "layout", "B", "variant", "kernel", "splits", "us", "x copy", "err"],
                        [[r["tp"], r["layout"], r["batch"], r["variant"], r["kernel"], r["splits"], round(r["us"], 1),

@@ -4,8 +4,8 @@
 #   here:  bash benchmarks/carry_dsl.sh .dsl            (then run there with carry [".dsl"])
 #   there: bash benchmarks/profile_misses.sh
 #
-# Each profile (benchmarks/profile_cute.py: one launch of the default shape, L2 not flushed,
-# the profiler's clocks) reads the metrics of benchmarks/ncu_metrics.txt into $OUT/ncu-NAME.txt;
+# Each profile (benchmarks/profile_cute.py: one launch of the default shape, at the profiler's
+# clocks; ncu's default `--cache-control all` empties the caches before each of its passes) reads the metrics of benchmarks/ncu_metrics.txt into $OUT/ncu-NAME.txt;
 # the last lines are a table of each one's duration, DRAM share, issue and warp activity and its
 # three largest stall reasons.
 set -uo pipefail

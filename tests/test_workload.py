@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 import msa
@@ -53,8 +54,9 @@ def test_a_steps_oracle_is_what_the_reference_computes() -> None:
     of the same step agree with it to the reference's own rounding (float32 over a quantised cache)."""
     geometry = msa.MINIMAX_M3.tensor_parallel(8)
     for dtype in ("fp8_e4m3", "nvfp4"):
-        step = make_decode_step(geometry, batch_size=2, decode_query_len=2, context_len=700, kv_cache_dtype=dtype,
+        made = make_decode_step(geometry, batch_size=2, decode_query_len=2, context_len=700, kv_cache_dtype=dtype,
                                 seed=11)
+        step = attrs.evolve(made, v_scale=made.v_scale * 3)  # (the generator writes k_scale == v_scale)
         out, lse = step.oracle()
         assert out.dtype == lse.dtype == torch.float64 and out.shape == step.q.shape
         ref_out, ref_lse = msa.sparse_decode(**step.kwargs(), backend="reference", return_lse=True)
