@@ -22,15 +22,14 @@ cost with the buffer warm in L2 after the first, the floor of that difference)."
 from __future__ import annotations
 
 import argparse
-import functools
+from collections.abc import Callable
 
 import torch
-from bench_cute import ReadFlush
-from tune_kernels import prepare_case
+from bench_cute import add_flush_argument, flushed_timer
+from tune_kernels import checked_run, prepare_case
 
 import msa
 from msa.backends.cute import CuteBackend
-from msa.bench.timing import Timer
 from msa.display import format_table
 from msa.workload import make_decode_step
 
@@ -45,19 +44,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--neighbour-mb", type=int, default=24)
     parser.add_argument("--evict", default="last,normal,first", help="comma-separated priorities, each timed twice")
-    parser.add_argument("--flush", choices=("write", "read"), default="write")
+    add_flush_argument(parser)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
-    timer = Timer(reps=args.reps)
-    if args.flush == "read":
-        timer._flush = ReadFlush(timer._flush)  # type: ignore[assignment]
+    timer = flushed_timer(args.reps, args.flush)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for layer in range(args.layers):
         step = make_decode_step(msa.MINIMAX_M3_TP[args.tp], batch_size=args.batch, decode_query_len=1,
                                 context_len=65536, kv_cache_dtype=args.layout, device="cuda", seed=layer)
-        cases.append((step, prepare_case(step, args.batch, gen)))
+        cases.append(prepare_case(step, args.batch, gen))
     neighbour = torch.empty(args.neighbour_mb * 2**20 // 8, dtype=torch.int64, device="cuda").fill_(1)
+
     def reads() -> None:
         for _ in range(args.layers):
             torch.sum(neighbour)
@@ -67,20 +65,16 @@ def main() -> None:
     for evict in [e for _ in range(2) for e in args.evict.split(",")]:  # each priority twice, interleaved
         backend = CuteBackend(evict=evict)
         runs = []
-        for _, (_, ref, problem, inputs, tables, out) in cases:
-            run = functools.partial(backend.run, backend.plan(problem, tables), inputs, out, None)
-            out.fill_(float("nan"))
-            run()
-            torch.cuda.synchronize()
-            err = (out.float() - ref.float()).abs().max().item()
+        for _, ref, problem, inputs, tables, out in cases:
+            _, run, err = checked_run(backend, problem, inputs, tables, out, ref)
             assert err <= TOLERANCE, f"evict {evict}: error {err:.2e} against the reference"
             runs.append(run)
 
-        def decode(runs: list[functools.partial[None]] = runs) -> None:
+        def decode(runs: list[Callable[[], object]] = runs) -> None:
             for run in runs:
                 run()
 
-        def with_neighbour(runs: list[functools.partial[None]] = runs) -> None:
+        def with_neighbour(runs: list[Callable[[], object]] = runs) -> None:
             for run in runs:
                 run()
                 torch.sum(neighbour)

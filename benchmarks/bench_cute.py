@@ -50,6 +50,22 @@ class ReadFlush:
         torch.sum(self.words)
 
 
+def add_flush_argument(parser: argparse.ArgumentParser) -> None:
+    """`--flush write|read`, for `flushed_timer`."""
+    parser.add_argument("--flush", choices=("write", "read"), default="write",
+                        help="empty L2 before each repetition by writing 512 MB (the timer's: L2 left full of "
+                             "dirty lines) or by reading them (left clean)")
+
+
+def flushed_timer(reps: int, flush: str) -> Timer:
+    """A `Timer` of `reps` repetitions that empties L2 by a write ("write", its own way) or a read
+    ("read": `ReadFlush`, in place of its private flush buffer)."""
+    timer = Timer(reps=reps)
+    if flush == "read":
+        timer._flush = ReadFlush(timer._flush)  # type: ignore[assignment]
+    return timer
+
+
 @dataclass(frozen=True)
 class CheckCase:
     geometry: Geometry
@@ -135,17 +151,13 @@ def main() -> None:
                         help="the timed steps' top-k lists in ascending block-id order (default: score order)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--no-triton", action="store_true", help="do not time the Triton kernel beside")
-    parser.add_argument("--flush", choices=("write", "read"), default="write",
-                        help="empty L2 before each repetition by writing 512 MB (the timer's: L2 left full of "
-                             "dirty lines) or by reading them (left clean)")
+    add_flush_argument(parser)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(int(time.time()))
     t0 = time.time()
     checks = [] if args.skip_checks else check_cases(gen)
     print(f"checks done in {time.time() - t0:.1f} s (includes compiling)", flush=True)
-    timer = Timer(reps=args.reps)
-    if args.flush == "read":
-        timer._flush = ReadFlush(timer._flush)  # type: ignore[assignment]
+    timer = flushed_timer(args.reps, args.flush)
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []

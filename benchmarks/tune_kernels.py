@@ -16,7 +16,7 @@ import argparse
 import functools
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +70,23 @@ def prepare_case(step: Any, batch: int, gen: torch.Generator, query_len: int = 1
             StepTables.for_inputs(problem, inputs), out)
 
 
-def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: StepTables, out: torch.Tensor,
-                   ref: torch.Tensor, timer: Timer) -> tuple[Any, float, float]:
-    """(plan, max abs error against `ref`, us per L2-flushed graph replay) of `backend` on a step;
+def checked_run(backend: Any, problem: Any, inputs: Any, tables: StepTables, out: torch.Tensor,
+                ref: torch.Tensor) -> tuple[Any, Callable[[], object], float]:
+    """(plan, a call that runs it on the step into `out`, max abs error against `ref`) of `backend`;
     `out` is poisoned with NaN before the first run."""
     plan = backend.plan(problem, tables)
     run = functools.partial(backend.run, plan, inputs, out, None)
     out.fill_(float("nan"))
     run()
     torch.cuda.synchronize()
-    err = (out.float() - ref.float()).abs().max().item()
+    return plan, run, (out.float() - ref.float()).abs().max().item()
+
+
+def check_and_time(backend: TritonBackend, problem: Any, inputs: Any, tables: StepTables, out: torch.Tensor,
+                   ref: torch.Tensor, timer: Timer) -> tuple[Any, float, float]:
+    """(plan, max abs error against `ref`, us per L2-flushed graph replay) of `backend` on a step
+    (`checked_run`)."""
+    plan, run, err = checked_run(backend, problem, inputs, tables, out, ref)
     return plan, err, timer.graph(run)
 
 
