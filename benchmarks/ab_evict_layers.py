@@ -25,11 +25,12 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from bench_cute import add_flush_argument, flushed_timer
+from bench_cute import add_flush_argument
 from tune_kernels import checked_run, prepare_case
 
 import msa
 from msa.backends.cute import CuteBackend
+from msa.bench.timing import Timer
 from msa.display import format_table
 from msa.workload import make_decode_step
 
@@ -47,7 +48,7 @@ def main() -> None:
     add_flush_argument(parser)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
-    timer = flushed_timer(args.reps, args.flush)
+    timer = Timer(reps=args.reps, flush=args.flush)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for layer in range(args.layers):

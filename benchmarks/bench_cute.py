@@ -27,7 +27,7 @@ from tune_kernels import m3_cases, try_check_and_time
 import msa
 from msa.backends.cute import CuteBackend
 from msa.backends.triton import TritonBackend
-from msa.bench.timing import Timer, copy_bandwidth
+from msa.bench.timing import FLUSHES, Timer, copy_bandwidth
 from msa.cli.defaults import Q_DTYPES
 from msa.display import format_table
 from msa.problem import Geometry
@@ -39,31 +39,11 @@ OPTION_FLAGS = (("splits", "num_splits"), ("stages", "stages"), ("chains", "qk_c
 TOLERANCE = 2e-2  # max abs error against the reference (outputs are O(1); fp16 operands, fp32 sums)
 
 
-class ReadFlush:
-    """Stands in for the timer's flush buffer: its `zero_` reads the buffer instead (a sum), so
-    that L2 is left holding clean lines rather than the dirty ones a write leaves."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.words = buffer.view(torch.int64)
-
-    def zero_(self) -> None:
-        torch.sum(self.words)
-
-
 def add_flush_argument(parser: argparse.ArgumentParser) -> None:
-    """`--flush write|read`, for `flushed_timer`."""
-    parser.add_argument("--flush", choices=("write", "read"), default="write",
-                        help="empty L2 before each repetition by writing 512 MB (the timer's: L2 left full of "
-                             "dirty lines) or by reading them (left clean)")
-
-
-def flushed_timer(reps: int, flush: str) -> Timer:
-    """A `Timer` of `reps` repetitions that empties L2 by a write ("write", its own way) or a read
-    ("read": `ReadFlush`, in place of its private flush buffer)."""
-    timer = Timer(reps=reps)
-    if flush == "read":
-        timer._flush = ReadFlush(timer._flush)  # type: ignore[assignment]
-    return timer
+    """`--flush write|read`: `Timer`'s `flush`."""
+    parser.add_argument("--flush", choices=FLUSHES, default="write",
+                        help="empty L2 before each repetition by writing 512 MB (L2 left full of dirty lines) "
+                             "or by reading them (left clean)")
 
 
 @dataclass(frozen=True)
@@ -157,7 +137,7 @@ def main() -> None:
     t0 = time.time()
     checks = [] if args.skip_checks else check_cases(gen)
     print(f"checks done in {time.time() - t0:.1f} s (includes compiling)", flush=True)
-    timer = flushed_timer(args.reps, args.flush)
+    timer = Timer(reps=args.reps, flush=args.flush)
     copy = copy_bandwidth(timer)
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []

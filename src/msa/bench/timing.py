@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Timer", "capture_graph", "copy_bandwidth"]
+from msa.errors import MSAInputError
+
+__all__ = ["Timer", "capture_graph", "copy_bandwidth", "FLUSHES"]
+
+#: `Timer`'s ways of emptying L2 before each repetition
+FLUSHES = ("write", "read")
 
 _FLUSH_BYTES = 512 * 2**20  # far larger than the H200's ~50-60 MB L2
 
@@ -23,18 +28,30 @@ class Timer:
     Args:
         reps: timed repetitions (median reported).
         warmup: untimed calls first (compilation, autotuning, allocator warm-up).
+        flush: how L2 is emptied of the step's bytes before each repetition, by 512 MB of
+            `FLUSHES`: "write" (zeros written: L2 left holding dirty lines, which it writes back
+            while the step runs) or "read" (a sum read: L2 left holding clean lines).
     """
 
-    def __init__(self, reps: int = 50, warmup: int = 5) -> None:
+    def __init__(self, reps: int = 50, warmup: int = 5, flush: str = "write") -> None:
+        if flush not in FLUSHES:
+            raise MSAInputError("flush", f"one of {', '.join(FLUSHES)}", flush)
         self.reps = reps
         self.warmup = warmup
-        self._flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.flush = flush
+        self._buffer = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def _empty_l2(self) -> None:
+        if self.flush == "write":
+            self._buffer.zero_()
+        else:
+            torch.sum(self._buffer.view(torch.int64))
 
     def _measure(self, call: Callable[[], object]) -> float:
         start = [_event() for _ in range(self.reps)]
         end = [_event() for _ in range(self.reps)]
         for i in range(self.reps):
-            self._flush.zero_()  # evict the step's pages from L2
+            self._empty_l2()  # evict the step's pages from L2
             start[i].record()
             call()
             end[i].record()
