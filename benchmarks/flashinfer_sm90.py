@@ -2,8 +2,8 @@
 and the same timer (GPU with `nvidia-cutlass-dsl`; FlashInfer's kernel fetched into a git-ignored
 folder first, never committed: `bash benchmarks/engine_baselines/flashinfer_sm90.sh`):
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/flashinfer_sm90.py --out DIR [--rows issue|core|l1|tp|l4|nvfp4|all] \\
-        [--reps 30] [--backends cute,triton]
+    PYTHONPATH=src:benchmarks python3 benchmarks/flashinfer_sm90.py --out DIR \\
+        [--rows issue|core|l1|tp|l4|nvfp4|gaps|all] [--reps 30] [--backends cute,triton]
 
 FlashInfer's kernel (`flashinfer/msa_ops/cute_dsl/sparse_decode_sm90.py`, newer than any release;
 the one vLLM's main branch calls on SM90) reads msa's packed fp8 cache `[pages, Hkv, P, 2D]` as it
@@ -57,7 +57,10 @@ _NVFP4: list[Row] = [(1, 1, b, None, ("nvfp4",)) for b in (64, 256)]
 _NVFP4.append((1, 1, 64, None, ("bfloat16",)))
 _CORE: list[Row] = [(tp, 1, b, None, _FP8) for tp, b in ((1, 1), (1, 16), (1, 64), (1, 256), (8, 16), (8, 64),
                                                           (8, 256))]
-ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4, "core": _CORE}
+#: Batches between one and 1.5 programs an SM (vLLM's graph capture sizes step by 8 there).
+_GAPS: list[Row] = [(1, 1, b, None, _BOTH) for b in (40, 48)]
+_GAPS += [(tp, 1, 160, None, _BOTH) for tp in (4, 8)]
+ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4, "core": _CORE, "gaps": _GAPS}
 ROWS["issue"] = ROWS["l1"] + ROWS["tp"] + ROWS["nvfp4"]
 ROWS["all"] = ROWS["issue"] + ROWS["l4"]
 

@@ -4,7 +4,7 @@ Part 1, the path matrix: every layout and cache form (bf16, fp8: packed and sepa
 strategy (`auto` as it chooses, and forced: one fused pass, split-K merged by the merge kernel,
 split-K merged in the kernel, the dedup kernel, the E4M3 decode by bits of GPUs below compute
 capability 8.9, `cute`) x L (1, 2, 4) x B (1, 16, 64), at
-MiniMax-M3 TP1 heads. Each case is
+MiniMax-M3 TP1 heads, and on Hopper the forced cute shapes of `FORCED_CUTE`. Each case is
 
 - called twice eagerly through `msa.sparse_decode` (the first call checks and compiles, the
   second takes the remembered call signature and the direct launches), on two different steps;
@@ -46,6 +46,7 @@ from cases import gpu_atol
 
 import msa
 import msa.registry
+from msa.backends.cute import CuteBackend
 from msa.backends.triton import TritonBackend
 from msa.registry import BackendRecord, BackendRegistry, hookimpl
 from msa.workload import DecodeStep, make_decode_step
@@ -63,6 +64,11 @@ FORCED: dict[str, dict[str, Any]] = {
     # the E4M3 decode by bits of GPUs below compute capability 8.9 (`LaunchConfig.soft_e4m3`)
     "gate-e4m3-bits": dict(soft_e4m3=True),
 }
+#: name -> CuteBackend options of each forced cute strategy (registered like `FORCED`'s), and the
+#: steps it takes (layout, batch) at L = 1: two half walks of M3 TP1 B = 40 (160 programs on 132
+#: SMs), the shape `auto` gives NVFP4 there and fp8 on an H200, on whichever Hopper the gate runs
+FORCED_CUTE: dict[str, dict[str, Any]] = {"gate-cute-halves": dict(kernel="wgmma", num_splits=2, stages=2, vreg=True)}
+FORCED_CUTE_STEPS = (("fp8_e4m3", 40), ("nvfp4", 40))
 #: layout, cache form
 CACHES = (("bfloat16", "packed"), ("bfloat16", "separate"), ("fp8_e4m3", "packed"), ("fp8_e4m3", "separate"),
           ("nvfp4", "packed"))
@@ -107,14 +113,15 @@ class _GatePlugin:
     @hookimpl
     def msa_backends(self) -> list[BackendRecord]:
         records = []
-        for name, overrides in FORCED.items():
-            cls = type(name.replace("-", "_"), (TritonBackend,), {"name": name})
+        for base, forced in ((TritonBackend, FORCED), (CuteBackend, FORCED_CUTE)):
+            for name, overrides in forced.items():
+                cls = type(name.replace("-", "_"), (base,), {"name": name})
 
-            def factory(cls: type[TritonBackend] = cls, overrides: dict[str, Any] = overrides) -> TritonBackend:
-                return cls(**overrides)
+                def factory(cls: type[Any] = cls, overrides: dict[str, Any] = overrides) -> Any:
+                    return cls(**overrides)
 
-            records.append(BackendRecord(name=name, factory=factory, priority=-1000,
-                                         description=f"gpu-check: triton with {overrides}"))
+                records.append(BackendRecord(name=name, factory=factory, priority=-1000,
+                                             description=f"gpu-check: {base.name} with {overrides}"))
         return records
 
 
@@ -252,6 +259,9 @@ def _cases(smoke: bool, cute: bool, hopper: bool = False) -> Iterator[tuple[str,
         if strategy == "cute" and (form != "packed" or (layout == "bfloat16" and not hopper)):
             continue  # cute's paths: packed caches (bf16 on its wgmma kernel only: compute capability 9.x)
         yield layout, form, strategy, length, batch
+    if cute:  # the forced cute shapes, beside what `auto` and `cute` choose at the same steps
+        for (layout, batch), strategy in itertools.product(FORCED_CUTE_STEPS, ["auto", "cute", *FORCED_CUTE]):
+            yield layout, "packed", strategy, 1, batch
 
 
 def run_case(layout: str, form: str, strategy: str, length: int, batch: int, *, device: str,

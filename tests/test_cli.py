@@ -329,3 +329,15 @@ def test_explain_machine_code_reports_a_compiler_failure_in_one_line(capsys: pyt
     assert err[-1] == ("msa explain: error: --machine-code: expected kernels Triton compiles for sm_90 here, got "
                        "RuntimeError: PTXASError: ptxas fatal : unknown target"), err
     assert not any("Traceback" in line for line in err)
+
+
+def test_explain_takes_the_pretend_device_name_whose_rules_differ(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device-name` names the pretend device: M3 fp8 at B = 40 (160 programs on 132 SMs) takes
+    two splits on an H200 and one elsewhere, and the platform line shows the name."""
+    step = ["explain", "--capability", "9.0", "--sm-count", "132", "--packages", "cutlass_dsl,triton", "--batch", "40"]
+    assert main([*step, "--device-name", "NVIDIA H200"]) == 0
+    h200 = capsys.readouterr().out
+    assert "platform: NVIDIA H200 (sm_90, 132 SMs)" in h200 and "wgmma kernel" in h200 and "2 splits" in h200
+    assert main(step) == 0
+    other = capsys.readouterr().out
+    assert "pretend CUDA device" in other and "1 split," in other

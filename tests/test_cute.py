@@ -308,6 +308,12 @@ def test_the_several_rows_band_is_one_to_two_programs_an_sm(batch: int, split: b
     (1, 256, WgmmaShape(1, 2, 1, True, False), WgmmaShape(1, 2, 1, True, True)),
     (1, 128, WgmmaShape(1, 2, 1, True, False), WgmmaShape(1, 2, 1, True, True)),
     (1, 64, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
+    (1, 50, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),  # 200 programs: past 1.5 an SM
+    (1, 49, WgmmaShape(1, 3, 1, False, True), WgmmaShape(2, 2, 1, True, True)),  # 196: NVFP4's two half walks
+    (1, 34, WgmmaShape(1, 3, 1, False, True), WgmmaShape(2, 2, 1, True, True)),  # 136
+    (4, 160, WgmmaShape(1, 3, 1, False, True), WgmmaShape(2, 2, 1, True, True)),
+    (8, 192, WgmmaShape(1, 3, 1, False, True), WgmmaShape(2, 2, 1, True, True)),
+    (4, 132, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),  # one program an SM
     (8, 256, WgmmaShape(1, 3, 1, False, True), WgmmaShape(1, 3, 1, True, True)),
     (8, 1024, WgmmaShape(1, 3, 1, True, False), WgmmaShape(1, 2, 1, True, True)),  # 8-head fp8 past 3 CTAs an SM
     (1, 16, WgmmaShape(2, 2, 2, False, True), WgmmaShape(4, 3, 1, True, True)),
@@ -330,6 +336,24 @@ def test_the_wgmma_shape_is_the_measured_one(tp: int, batch: int, expected: Wgmm
     assert not CuteBackend(kernel="wgmma").config_on(q8, _hopper()).kreg
     assert CuteBackend(kernel="wgmma", kreg=True).config_on(q8, _hopper()).kreg
     assert choose_wgmma_shape(attrs.evolve(q8, kv_layout="nvfp4"), 132) == nvfp4
+
+
+@pytest.mark.parametrize(("tp", "batch", "halves"), [(1, 33, False), (1, 34, True), (1, 49, True), (1, 50, False),
+                                                     (4, 160, True), (8, 192, True), (8, 199, False), (1, 64, False)])
+def test_fp8_steps_of_one_to_one_and_a_half_programs_an_sm_take_two_half_walks_on_an_h200(
+        tp: int, batch: int, halves: bool) -> None:
+    """Past one program an SM and up to 1.5 (`WGMMA_HALF_SPLIT_PROGRAMS`), fp8 takes two splits of
+    2 stages with values in registers on the devices where that measured faster (an H200), one
+    split elsewhere (an H100, or a name msa does not know); the configuration follows the shape."""
+    problem = _fp8(batch, msa.MINIMAX_M3_TP[tp])
+    one_split = choose_wgmma_shape(problem, 132)
+    assert one_split.num_splits == 1 and choose_wgmma_shape(problem, 132, device_name="NVIDIA H100 80GB HBM3") == one_split
+    shape = choose_wgmma_shape(problem, 132, device_name="NVIDIA H200")
+    assert shape == (WgmmaShape(2, 2, 1, True, True) if halves else one_split)
+    h200 = attrs.evolve(_hopper(), device_name="NVIDIA H200")
+    config = CuteBackend().config_on(problem, h200)
+    assert (config.num_splits, config.stages, config.vreg) == (shape.num_splits, shape.stages, shape.vreg)
+    assert CuteBackend().config_on(problem, _hopper()).num_splits == 1
 
 
 def test_fused_splits_merge_in_a_cluster_where_it_measured_faster() -> None:

@@ -49,6 +49,8 @@ def _add_platform_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu", action="store_true", help="pretend a CPU (TRITON_INTERPRET as in the environment)"
     )
     parser.add_argument("--sm-count", type=positive_int, default=148, help="SMs of the pretend device")
+    parser.add_argument("--device-name", default="", help="name of the pretend device, e.g. 'NVIDIA H200' "
+                        "(some measured rules differ by device)")
     parser.add_argument(
         "--packages",
         type=names,
@@ -123,7 +125,7 @@ def _platform(args: argparse.Namespace) -> Platform:
         interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
         return Platform("cpu", packages=frozenset(packages), triton_interpret=interpret)
     if args.capability is not None:
-        return Platform.cuda(args.capability, sm_count=args.sm_count, packages=packages)
+        return Platform.cuda(args.capability, sm_count=args.sm_count, packages=packages, name=args.device_name)
     return detect()
 
 

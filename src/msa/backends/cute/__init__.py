@@ -264,7 +264,7 @@ class CuteBackend(Backend[CutePlan]):
             tokens = WGMMA_DEFAULT_TOKENS if self.tokens is None else self.tokens
             why = wgmma_tokens_serve(problem, tokens)
             _check_option("tokens", tokens, f"rows a wgmma program can take together ({why})", why is None)
-            shape = choose_wgmma_shape(problem, sm_count, tokens)
+            shape = choose_wgmma_shape(problem, sm_count, tokens, platform.device_name)
             stages, wgs = self.stages or shape.stages, self.wgs or shape.wgs
             vreg = shape.vreg if self.vreg is None else self.vreg
             tconv = (shape.tconv and self.kreg is not False) if self.tconv is None else self.tconv

@@ -20,7 +20,8 @@ __all__ = [
     "wgmma_ctas_per_sm",
     "WgmmaShape", "choose_wgmma_shape", "WGMMA_AUTO_MIN_PROGRAMS",
     "WGMMA_AUTO_16_BIT", "WGMMA_TWO_WG_MIN_PROGRAMS", "WGMMA_TCONV_HEADS",
-    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS", "WGMMA_WIDE_8HEAD_STAGES",
+    "WGMMA_TWO_WG_STAGES", "WGMMA_SHARED_ROWS_WGS", "WGMMA_WIDE_8HEAD_STAGES", "WGMMA_HALF_SPLIT_PROGRAMS",
+    "WGMMA_HALF_SPLIT_FP8_DEVICES",
     "wgmma_auto_min_programs", "WGMMA_TOKENS", "WGMMA_TOKEN_COLUMNS", "wgmma_tokens_serve",
     "WGMMA_DEFAULT_TOKENS", "WGMMA_HASH_SLOTS", "WGMMA_CLUSTER_MERGE", "WGMMA_MAX_CLUSTER", "wgmma_cluster",
     "WGMMA_VREG_BELOW_WAVE", "wgmma_cluster_default", "WGMMA_CLUSTER_MAX_WIDE", "WGMMA_REFILL", "WGMMA_REFILL_DEFAULT",
@@ -413,6 +414,25 @@ WGMMA_TWO_WG_MIN_PROGRAMS = 32
 #: registers as the default, values in registers or not), TP1 B = 8 16.4 / 17.0 and TP4 B = 64
 #: 20.4 / 21.3 (values in registers, the fp8 product); benchmarks/RESULTS.md has the repeat.
 WGMMA_TWO_WG_STAGES = 2
+#: Programs an SM (as a fraction: 3/2) up to which a one-row step past one program an SM takes two
+#: splits of 2 stages with values in registers (`choose_wgmma_shape`): NVFP4 on every Hopper, fp8
+#: on the devices of `WGMMA_HALF_SPLIT_FP8_DEVICES`. One split leaves some SMs two programs and the
+#: rest one, so the step lasts two programs' walks; two splits of half the tiles give each SM at
+#: most three halves. Past 3/2 both give two walks and one split measured faster. M3 at 64K, one
+#: split of 3 stages against two of 2 with values in registers, us, same runs
+#: (2026-12-06, session 37, `bench_cute.py --variant '{"num_splits":1,"stages":3}'` and the like):
+#: - NVFP4, H200: TP1 B = 40 / 48 41.5 / 42.0 against 34.5 / 35.0, TP4 B = 160 / 192 42.3 / 42.2
+#:   against 34.7 / 35.1, TP8 B = 160 / 192 37.0 / 37.1 against 30.2 / 30.9; H100: TP4 B = 136 /
+#:   176 / 196 41.5 / 42.7 / 43.0 against 37.2 / 37.9 / 39.5, TP8 36.9 / 38.3 / 39.0 against 33.8
+#:   / 34.7 / 36.4; past 3/2, H200 TP1 B = 72 53.8 against 53.4.
+#: - fp8, H200: TP1 B = 36 / 40 / 48 43.3 / 44.1 / 44.8 against 34.4 / 37.3 / 40.3, TP4 B = 160 /
+#:   192 44.6 / 45.0 against 36.6 / 40.7, TP8 B = 160 / 192 40.3 / 40.7 against 35.9 / 39.4 (past
+#:   3/2: TP1 B = 56 / 64 / 72 45.6 / 46.5 / 59.6 against 46.4 / 49.1 / 69.9); but H100 (3.0 TB/s
+#:   copies against the H200's 4.2): TP1 B = 34 / 40 / 48 44.1 / 45.3 / 48.2 against 41.2 / 46.4
+#:   / 51.4, TP4 B = 136 / 176 / 196 37.9 / 44.3 / 47.7 against 41.3 / 49.0 / 52.1, TP8 likewise.
+WGMMA_HALF_SPLIT_PROGRAMS = (3, 2)
+#: Devices (a substring of the name) whose fp8 steps take `WGMMA_HALF_SPLIT_PROGRAMS`' two splits.
+WGMMA_HALF_SPLIT_FP8_DEVICES = ("H200",)
 #: Consumer warpgroups a CTA of an fp8 step of several rows a request (L > 1) with one to two
 #: programs an SM (`choose_wgmma_shape`). In speculative decoding a request's rows share most of
 #: their pages; the policy sees shapes, not indices, and benchmarks/RESULTS.md (session 25)
@@ -523,8 +543,9 @@ def _union_shape(problem: DecodeProblem, sm_count: int, tokens: int) -> WgmmaSha
     return WgmmaShape(splits, stages, 1, nvfp4, kreg, tconv, tokens)
 
 
-def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -> WgmmaShape:
-    """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP4 / TP8 at 64K):
+def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1, device_name: str = "") -> WgmmaShape:
+    """The measured choice (H200, 132 SMs, benchmarks/bench_cute.py, M3 TP1 / TP4 / TP8 at 64K;
+    `device_name` picks the rules measured to differ between devices):
 
     - more programs than 3 CTAs per SM hold (TP1 B = 256: 1024): 2 stages, values in registers,
       4 CTAs per SM, one split — fp8 145.1 us against 162.7 for 3 stages (Triton 172.6); fp8
@@ -538,6 +559,10 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
       stages (TP8's with values in registers; the older default took 38.2) and 33.2 / 29.4 for
       two splits of one (2026-12-05, session 24): the rows' shared
       pages come from L2, so the walk is bound by each warpgroup's chain of tiles, not by bytes;
+    - one to 1.5 programs an SM (`WGMMA_HALF_SPLIT_PROGRAMS`; TP1 B = 34-49, TP4 and TP8 B =
+      133-198), NVFP4, and fp8 on an H200 (`WGMMA_HALF_SPLIT_FP8_DEVICES`): two splits of 2
+      stages, values in registers — NVFP4 TP1 B = 40 34.5 us against 41.5 for one split (which
+      leaves a second program on some SMs only), fp8 37.3 against 44.1;
     - fewer programs than SMs, fp8 with 16 heads a CTA and at least `WGMMA_TWO_WG_MIN_PROGRAMS`
       (TP1 B = 8 / 16, TP4 B = 64): two warpgroups per CTA, `WGMMA_TWO_WG_STAGES` stages, splits
       up to one CTA per SM, each warpgroup keeping 4 tiles — 18.7 / 23.8 / 24.0 us against 20.9
@@ -577,6 +602,10 @@ def choose_wgmma_shape(problem: DecodeProblem, sm_count: int, tokens: int = 1) -
         return WgmmaShape(splits, stages, 1, True, nvfp4)
     if not nvfp4 and problem.query_len > 1 and sm_count <= programs <= 2 * sm_count:
         return WgmmaShape(1, 2, WGMMA_SHARED_ROWS_WGS, True, False)
+    most, per = WGMMA_HALF_SPLIT_PROGRAMS
+    halves = nvfp4 or any(name in device_name for name in WGMMA_HALF_SPLIT_FP8_DEVICES)
+    if halves and sm_count < programs and per * programs <= most * sm_count and tiles >= 2 * _WGMMA_MIN_TILES:
+        return WgmmaShape(2, 2, 1, True, kreg)
     if programs >= sm_count:
         return WgmmaShape(splits, stages, 1, nvfp4, kreg)
     if not nvfp4 and wgmma_heads(problem.geometry.group_size) == 16 and programs >= WGMMA_TWO_WG_MIN_PROGRAMS:
