@@ -259,7 +259,7 @@ def _cases(smoke: bool, cute: bool, hopper: bool = False) -> Iterator[tuple[str,
         if strategy == "cute" and (form != "packed" or (layout == "bfloat16" and not hopper)):
             continue  # cute's paths: packed caches (bf16 on its wgmma kernel only: compute capability 9.x)
         yield layout, form, strategy, length, batch
-    if cute:  # the forced cute shapes, beside what `auto` and `cute` choose at the same steps
+    if hopper:  # the forced cute shapes (the wgmma kernel's), beside what `auto` and `cute` choose there
         for (layout, batch), strategy in itertools.product(FORCED_CUTE_STEPS, ["auto", "cute", *FORCED_CUTE]):
             yield layout, "packed", strategy, 1, batch
 

@@ -341,3 +341,10 @@ def test_explain_takes_the_pretend_device_name_whose_rules_differ(capsys: pytest
     assert main(step) == 0
     other = capsys.readouterr().out
     assert "pretend CUDA device" in other and "1 split," in other
+
+
+def test_explain_refuses_a_device_name_without_a_pretend_capability(capsys: pytest.CaptureFixture[str]) -> None:
+    """A name is for a pretend device only: without `--capability` it is one line naming the flag, exit 2."""
+    assert main(["explain", "--device-name", "NVIDIA H200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--device-name" in err and "--capability" in err and len(err.splitlines()) == 1, err

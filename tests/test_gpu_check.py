@@ -39,3 +39,16 @@ def test_the_tree_hash_is_gits(tmp_path: Path) -> None:
     expected = subprocess.run(["git", "rev-parse", "HEAD:src"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     assert gpu_check.src_tree_hash(tmp_path / "src") == expected
+
+
+def test_the_forced_cute_shapes_run_on_hopper_only() -> None:
+    """`FORCED_CUTE` asks for the wgmma kernel (sm_90a): its cases, beside `auto` and `cute` at
+    the same steps, are in the matrix on Hopper and nowhere else."""
+
+    def forced(cute: bool, hopper: bool) -> list[tuple[str, str, str, int, int]]:
+        return [c for c in gpu_check._cases(False, cute, hopper) if c[2] in gpu_check.FORCED_CUTE]
+
+    expected = {(layout, "packed", name, 1, batch) for layout, batch in gpu_check.FORCED_CUTE_STEPS
+                for name in gpu_check.FORCED_CUTE}
+    assert set(forced(True, True)) == expected and len(expected) == 2
+    assert forced(True, False) == [] and forced(False, False) == []

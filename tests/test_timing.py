@@ -16,7 +16,7 @@ from msa.errors import MSAInputError
 def test_an_unknown_flush_is_refused_by_name(flush: str) -> None:
     with pytest.raises(MSAInputError, match="flush: .*write, read") as caught:
         Timer(reps=2, flush=flush)
-    assert caught.value.argument == "flush" and caught.value.given == flush
+    assert caught.value.argument == "flush" and caught.value.given == repr(flush)
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ class Timer:
 
     def __init__(self, reps: int = 50, warmup: int = 5, flush: str = "write") -> None:
         if flush not in FLUSHES:
-            raise MSAInputError("flush", f"one of {', '.join(FLUSHES)}", flush)
+            raise MSAInputError("flush", f"one of {', '.join(FLUSHES)}", repr(flush))
         self.reps = reps
         self.warmup = warmup
         self.flush = flush

@@ -49,7 +49,8 @@ def _add_platform_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu", action="store_true", help="pretend a CPU (TRITON_INTERPRET as in the environment)"
     )
     parser.add_argument("--sm-count", type=positive_int, default=148, help="SMs of the pretend device")
-    parser.add_argument("--device-name", default="", help="name of the pretend device, e.g. 'NVIDIA H200' "
+    parser.add_argument("--device-name", default="", help="name of the pretend device (with --capability), e.g. "
+                        "'NVIDIA H200' with --sm-count 132 "
                         "(some measured rules differ by device)")
     parser.add_argument(
         "--packages",
@@ -118,8 +119,12 @@ def add_parsers(subparsers: Subparsers) -> None:
 
 def _platform(args: argparse.Namespace) -> Platform:
     """This machine, or the pretend one the flags describe."""
+    from msa.errors import MSAInputError
     from msa.platform import Platform, detect
 
+    if args.device_name and args.capability is None:
+        raise MSAInputError("--device-name", "given with --capability (it names a pretend CUDA device)",
+                            args.device_name)
     packages: tuple[str, ...] = OPTIONAL_PACKAGES if args.packages is None else args.packages
     if args.cpu:
         interpret = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

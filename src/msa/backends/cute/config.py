@@ -418,7 +418,8 @@ WGMMA_TWO_WG_STAGES = 2
 #: splits of 2 stages with values in registers (`choose_wgmma_shape`): NVFP4 on every Hopper, fp8
 #: on the devices of `WGMMA_HALF_SPLIT_FP8_DEVICES`. One split leaves some SMs two programs and the
 #: rest one, so the step lasts two programs' walks; two splits of half the tiles give each SM at
-#: most three halves. Past 3/2 both give two walks and one split measured faster. M3 at 64K, one
+#: most three halves. Past 3/2 both give two walks: one split measured faster for fp8 and level
+#: for NVFP4 (TP1 B = 72). M3 at 64K, one
 #: split of 3 stages against two of 2 with values in registers, us, same runs
 #: (2026-12-06, session 37, `bench_cute.py --variant '{"num_splits":1,"stages":3}'` and the like):
 #: - NVFP4, H200: TP1 B = 40 / 48 41.5 / 42.0 against 34.5 / 35.0, TP4 B = 160 / 192 42.3 / 42.2
@@ -431,7 +432,8 @@ WGMMA_TWO_WG_STAGES = 2
 #:   copies against the H200's 4.2): TP1 B = 34 / 40 / 48 44.1 / 45.3 / 48.2 against 41.2 / 46.4
 #:   / 51.4, TP4 B = 136 / 176 / 196 37.9 / 44.3 / 47.7 against 41.3 / 49.0 / 52.1, TP8 likewise.
 WGMMA_HALF_SPLIT_PROGRAMS = (3, 2)
-#: Devices (a substring of the name) whose fp8 steps take `WGMMA_HALF_SPLIT_PROGRAMS`' two splits.
+#: Devices (a substring of the name) whose fp8 steps take `WGMMA_HALF_SPLIT_PROGRAMS`' two splits:
+#: "H200" names a GH200 too, whose memory is as fast (not measured).
 WGMMA_HALF_SPLIT_FP8_DEVICES = ("H200",)
 #: Consumer warpgroups a CTA of an fp8 step of several rows a request (L > 1) with one to two
 #: programs an SM (`choose_wgmma_shape`). In speculative decoding a request's rows share most of
