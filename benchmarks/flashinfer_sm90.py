@@ -3,7 +3,7 @@ and the same timer (GPU with `nvidia-cutlass-dsl`; FlashInfer's kernel fetched i
 folder first, never committed: `bash benchmarks/engine_baselines/flashinfer_sm90.sh`):
 
     PYTHONPATH=src:benchmarks python3 benchmarks/flashinfer_sm90.py --out DIR \\
-        [--rows issue|core|l1|tp|l4|nvfp4|gaps|all] [--reps 30] [--backends cute,triton]
+        [--rows issue|core|l1|tp|l4|nvfp4|gaps|all] [--reps 30] [--backends cute,triton] [--q-dtype fp8]
 
 FlashInfer's kernel (`flashinfer/msa_ops/cute_dsl/sparse_decode_sm90.py`, newer than any release;
 the one vLLM's main branch calls on SM90) reads msa's packed fp8 cache `[pages, Hkv, P, 2D]` as it
@@ -17,6 +17,10 @@ is printed beside the time. Times are
 medians of L2-flushed CUDA-graph replays (`msa.bench.timing.Timer`), FlashInfer's and msa's (the
 planner's `run`, as `msa bench` times it) in the same process, with the copy bandwidth of the run.
 NVFP4 and bf16 caches are timed on msa alone (FlashInfer has no Hopper path for them).
+With `--q-dtype fp8` msa is given an E4M3 query (no query scale: its fp8 score product is what the
+caller asked for) and FlashInfer the same values as bf16 (exactly representable: its own rounding
+to fp8 then changes nothing), so that both compute the same fp8 product; the reference reads the
+fp8 query too.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ _GAPS += [(tp, 1, 160, None, _BOTH) for tp in (4, 8)]
 ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4, "core": _CORE, "gaps": _GAPS}
 ROWS["issue"] = ROWS["l1"] + ROWS["tp"] + ROWS["nvfp4"]
 ROWS["all"] = ROWS["issue"] + ROWS["l4"]
+#: The query dtypes msa can be given here.
+Q_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def load_flashinfer() -> ModuleType:
@@ -77,7 +83,7 @@ def load_flashinfer() -> ModuleType:
 
 
 def make_step(tp: int, length: int, batch: int, overlap: float | None, layout: str, context: int,
-              seed: int) -> dict[str, Any]:
+              seed: int, q_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """msa.sparse_decode's arguments for M3 at `tp`: fresh data, lists sorted ascending (-1 last),
     scales of 1 but for NVFP4's (which keeps the workload's). An fp8 cache holds the tokens' own
     N(0, 1) values (the workload writes them with a scale of 1/16; FlashInfer takes no scale, and
@@ -86,7 +92,7 @@ def make_step(tp: int, length: int, batch: int, overlap: float | None, layout: s
     from the reference, and msa's fp8 score product 2.9e-2)."""
     g = msa.MINIMAX_M3_TP[tp]
     step = make_decode_step(g, batch_size=batch, decode_query_len=length, context_len=context,
-                            kv_cache_dtype=layout, device="cuda", seed=seed)
+                            kv_cache_dtype=layout, q_dtype=q_dtype, device="cuda", seed=seed)
     kw = step.kwargs()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed + 1)
@@ -111,7 +117,7 @@ def time_msa(backend: str, kw: dict[str, Any], timer: Timer) -> tuple[float, tor
 
 
 def time_flashinfer(fi: ModuleType, kw: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:
-    q, kv = kw["q"].contiguous(), kw["kv_cache"]
+    q, kv = kw["q"].to(torch.bfloat16).contiguous(), kw["kv_cache"]  # (an fp8 query's values exactly)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     args = (q, kv, kw["topk_indices"].int().contiguous(), kw["block_table"].int().contiguous(),
             kw["seq_lens"].int().contiguous(), out)
@@ -141,6 +147,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--q-dtype", choices=sorted(Q_DTYPES), default="bf16",
+                        help="the query msa is given (fp8: E4M3, FlashInfer the same values as bf16)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     fi = load_flashinfer()
@@ -151,14 +159,14 @@ def main() -> None:
     name = torch.cuda.get_device_name()
 
     def save(rows: list[dict[str, Any]]) -> None:
-        record = dict(device=name, copy_gbps=copy, seed=args.seed, reps=args.reps, rows=rows)
+        record = dict(device=name, copy_gbps=copy, seed=args.seed, reps=args.reps, q_dtype=args.q_dtype, rows=rows)
         part = args.out / "flashinfer_sm90.json.part"  # (replaced whole: a run stopped mid-write keeps the last)
         part.write_text(json.dumps(record, indent=1))
         os.replace(part, args.out / "flashinfer_sm90.json")
 
     for tp, length, batch, overlap, layouts in ROWS[args.rows]:
         for layout in layouts:
-            kw = make_step(tp, length, batch, overlap, layout, args.context, args.seed)
+            kw = make_step(tp, length, batch, overlap, layout, args.context, args.seed, Q_DTYPES[args.q_dtype])
             ref = reference_f32(kw)
             row: dict[str, Any] = dict(tp=tp, L=length, B=batch, overlap=overlap, layout=layout)
             if layout == "fp8_e4m3":
@@ -188,7 +196,8 @@ def main() -> None:
         ov = "" if r["overlap"] is None else f" {r['overlap']:.0%}"
         table.append([f"TP{r['tp']} L{r['L']}{ov} B={r['B']}", r["layout"], fi_cell, *cells,
                       f"{r['auto'][0] / fi_us:.2f}" if "flashinfer" in r else "-"])
-    print(f"{name}, copy {copy:.0f} GB/s, {args.reps} graph replays a time (median, L2 flushed), seed {args.seed}")
+    print(f"{name}, copy {copy:.0f} GB/s, {args.reps} graph replays a time (median, L2 flushed), seed {args.seed}, "
+          f"{args.q_dtype} query")
     print(format_table(header, table))
 
 

@@ -106,3 +106,18 @@ def test_the_flashinfer_harness_measures_against_the_unrounded_reference() -> No
     rounded = msa.sparse_decode(**kw, backend="reference")
     assert exact.dtype == torch.float32 and torch.equal(exact.to(torch.bfloat16), rounded)
     assert 0 < flashinfer_sm90.rel_err(rounded, exact) <= 2.0**-8
+
+
+def test_the_flashinfer_harness_gives_both_kernels_the_same_fp8_query() -> None:
+    """`flashinfer_sm90.py --q-dtype fp8`: msa gets an E4M3 query and FlashInfer its values as bf16;
+    every E4M3 value (NaN aside) is a bf16 value, so rounding that back to E4M3, as FlashInfer
+    does, gives the very query msa was given."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import flashinfer_sm90
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~torch.isnan(codes.float())]
+    assert flashinfer_sm90.Q_DTYPES["fp8"] == torch.float8_e4m3fn
+    assert torch.equal(codes.to(torch.bfloat16).to(torch.float8_e4m3fn).view(torch.uint8), codes.view(torch.uint8))
