@@ -1186,7 +1186,7 @@ def build_sm90(spec: Sm90Spec) -> Any:  # noqa: C901 - one kernel, written out
         # thread (row, c) of the first warpgroup: head `row`, elements c .. c + CW - 1, the
         # warpgroups' states merged
         CW = NC * D // _THREADS
-        MERGE = 128 // CW  # splits the fused merge reads at a time (8 at 16 heads a CTA, 16 at 8)
+        MERGE = 64 // CW  # splits the fused merge reads at a time (4 at 16 heads a CTA, 8 at 8)
         row = wtid // (D // CW)
         c0 = (wtid % (D // CW)) * CW
         ov = cute.make_rmem_tensor(cute.make_layout(CW), Float32)
