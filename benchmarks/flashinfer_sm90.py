@@ -85,7 +85,8 @@ def load_flashinfer() -> ModuleType:
 def make_step(tp: int, length: int, batch: int, overlap: float | None, layout: str, context: int,
               seed: int, q_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """msa.sparse_decode's arguments for M3 at `tp`: fresh data, lists sorted ascending (-1 last),
-    scales of 1 but for NVFP4's (which keeps the workload's). An fp8 cache holds the tokens' own
+    scales of 1 but for NVFP4's (which keeps the workload's), a query of `q_dtype` (an E4M3 one
+    unscaled). An fp8 cache holds the tokens' own
     N(0, 1) values (the workload writes them with a scale of 1/16; FlashInfer takes no scale, and
     reading those bytes with a scale of 1 made every K and V 16x and the scores' spread 16 instead
     of 1, outside any model's range: on 2026-12-06 FlashInfer's output was then ~1 relative error
@@ -116,13 +117,19 @@ def time_msa(backend: str, kw: dict[str, Any], timer: Timer) -> tuple[float, tor
     return timer.graph(call), out
 
 
-def time_flashinfer(fi: ModuleType, kw: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:
-    q, kv = kw["q"].to(torch.bfloat16).contiguous(), kw["kv_cache"]  # (an fp8 query's values exactly)
+def flashinfer_args(kw: dict[str, Any]) -> tuple[Any, ...]:
+    """FlashInfer's `run` arguments for msa's step `kw`, its NaN-filled bf16 output last: the
+    query as bf16 (an fp8 query's values exactly), the int32 lists, table and lengths."""
+    q = kw["q"].to(torch.bfloat16).contiguous()
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
-    args = (q, kv, kw["topk_indices"].int().contiguous(), kw["block_table"].int().contiguous(),
+    return (q, kw["kv_cache"], kw["topk_indices"].int().contiguous(), kw["block_table"].int().contiguous(),
             kw["seq_lens"].int().contiguous(), out)
+
+
+def time_flashinfer(fi: ModuleType, kw: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:
+    args = flashinfer_args(kw)
     micros = timer.graph(lambda: fi.run(*args))
-    return micros, out
+    return micros, args[-1]
 
 
 def reference_f32(kw: dict[str, Any]) -> torch.Tensor:

@@ -2,12 +2,13 @@
 under Nsight Compute (GPU, `nvidia-cutlass-dsl`, FlashInfer's kernel fetched by
 benchmarks/engine_baselines/flashinfer_sm90.sh; the step is `flashinfer_sm90.make_step`'s):
 
-    ncu --profile-from-start off --metrics "$(paste -sd, benchmarks/ncu_metrics.txt)" \\
+    PYTHONPATH=src:benchmarks ncu --profile-from-start off --metrics "$(paste -sd, benchmarks/ncu_metrics.txt)" \\
         python3 benchmarks/profile_flashinfer.py --which flashinfer|msa --tp 8 --batch 16
 
 Each side runs once first (compiling, planning); only the launch between `cudaProfilerStart` and
-`cudaProfilerStop` is profiled, so that the two reports compare one kernel each
-(benchmarks/ncu_summary.py reads them)."""
+`cudaProfilerStop` is profiled, so that the two reports compare one kernel each where msa's step
+is one launch, as at the steps profiled so far (benchmarks/ncu_summary.py reads them, and refuses a
+report of several kernels)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from flashinfer_sm90 import load_flashinfer, make_step
+from flashinfer_sm90 import flashinfer_args, load_flashinfer, make_step
 
 import msa
 from msa.bench.sweep import planned_step
@@ -33,9 +34,7 @@ def main() -> None:
     call: Callable[[], object]
     if args.which == "flashinfer":
         fi = load_flashinfer()
-        out = torch.empty(kw["q"].shape, dtype=torch.bfloat16, device="cuda")
-        fi_args = (kw["q"].contiguous(), kw["kv_cache"], kw["topk_indices"].int().contiguous(),
-                   kw["block_table"].int().contiguous(), kw["seq_lens"].int().contiguous(), out)
+        fi_args = flashinfer_args(kw)
 
         def call() -> object:
             return fi.run(*fi_args)

@@ -109,15 +109,36 @@ def test_the_flashinfer_harness_measures_against_the_unrounded_reference() -> No
 
 
 def test_the_flashinfer_harness_gives_both_kernels_the_same_fp8_query() -> None:
-    """`flashinfer_sm90.py --q-dtype fp8`: msa gets an E4M3 query and FlashInfer its values as bf16;
-    every E4M3 value (NaN aside) is a bf16 value, so rounding that back to E4M3, as FlashInfer
-    does, gives the very query msa was given."""
+    """`flashinfer_sm90.py --q-dtype fp8`: msa gets an E4M3 query and FlashInfer (`time_flashinfer`,
+    here with its `run` and the timer stubbed) the same values as bf16, which its own rounding to
+    E4M3 gives back bit for bit; the output FlashInfer fills is the one returned."""
     import torch
+
+    import msa
+    from msa.workload import make_decode_step
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import flashinfer_sm90
 
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    codes = codes[~torch.isnan(codes.float())]
-    assert flashinfer_sm90.Q_DTYPES["fp8"] == torch.float8_e4m3fn
-    assert torch.equal(codes.to(torch.bfloat16).to(torch.float8_e4m3fn).view(torch.uint8), codes.view(torch.uint8))
+    step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, context_len=512, kv_cache_dtype="fp8_e4m3",
+                            q_dtype=flashinfer_sm90.Q_DTYPES["fp8"], seed=3)
+    kw = step.kwargs()
+    seen: dict[str, torch.Tensor] = {}
+
+    class Stub:
+        @staticmethod
+        def run(q: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                out: torch.Tensor) -> None:
+            seen["q"], seen["out"] = q, out
+            out.zero_()
+
+    class Clock:
+        @staticmethod
+        def graph(call: Any) -> float:
+            call()
+            return 1.5
+
+    micros, out = flashinfer_sm90.time_flashinfer(Stub(), kw, Clock())  # type: ignore[arg-type]
+    assert micros == 1.5 and out is seen["out"] and not out.isnan().any()
+    assert kw["q"].dtype == torch.float8_e4m3fn and seen["q"].dtype == torch.bfloat16
+    assert torch.equal(seen["q"].to(torch.float8_e4m3fn).view(torch.uint8), kw["q"].view(torch.uint8))
