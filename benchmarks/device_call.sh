@@ -9,7 +9,8 @@
 #
 # Environment: BUDGET (seconds the whole call may take, default 570: keep it under the call's
 # limit), ROWS (flashinfer_sm90.py row set, default core), REPS (default 20), BACKENDS (msa
-# backends beside `auto`, default none), GATE=0 to skip the gate.
+# backends beside `auto`, default none), Q_DTYPE (the query msa is given: bf16, the default, or
+# fp8), GATE=0 to skip the gate.
 set -uo pipefail
 : "${OUT:?the device machine sets OUT}"
 start=$SECONDS
@@ -28,7 +29,7 @@ elif [ "$left" -lt 60 ]; then
     echo "rows skipped: ${left} s left"
 else
     timeout -k 10 "$left" python3 benchmarks/flashinfer_sm90.py --out "$OUT/rows" --rows "${ROWS:-core}" \
-        --reps "${REPS:-20}" --backends "${BACKENDS-}" > "$OUT/rows.log" 2>&1
+        --reps "${REPS:-20}" --backends "${BACKENDS-}" --q-dtype "${Q_DTYPE:-bf16}" > "$OUT/rows.log" 2>&1
     echo "rows rc=$? (124: stopped at the budget; the rows measured are in rows/flashinfer_sm90.json)"
     grep -v -i warn "$OUT/rows.log" | grep -v '^{' | tail -20
 fi
