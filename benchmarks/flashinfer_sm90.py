@@ -41,6 +41,7 @@ import msa
 from msa.backends.reference import ReferenceBackend
 from msa.bench.sweep import planned_step
 from msa.bench.timing import Timer, copy_bandwidth
+from msa.cli.defaults import Q_DTYPES as QUERY_DTYPE_NAMES
 from msa.display import format_table
 from msa.validation import check_decode_inputs
 from msa.workload import DEFAULT_SCALES, indexer_topk, make_decode_step
@@ -67,8 +68,8 @@ _GAPS += [(tp, 1, 160, None, _BOTH) for tp in (4, 8)]
 ROWS: dict[str, list[Row]] = {"l1": _L1, "tp": _TP, "l4": _L4, "nvfp4": _NVFP4, "core": _CORE, "gaps": _GAPS}
 ROWS["issue"] = ROWS["l1"] + ROWS["tp"] + ROWS["nvfp4"]
 ROWS["all"] = ROWS["issue"] + ROWS["l4"]
-#: The query dtypes msa can be given here.
-Q_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+#: The query dtypes msa can be given here (those whose values are bf16 values: FlashInfer takes bf16).
+Q_DTYPES = {name: getattr(torch, QUERY_DTYPE_NAMES[name]) for name in ("bf16", "fp8")}
 
 
 def load_flashinfer() -> ModuleType:

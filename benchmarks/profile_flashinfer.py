@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-import torch
 from flashinfer_sm90 import flashinfer_args, load_flashinfer, make_step
+from profile_cute import profile_second_launch
 
 import msa
 from msa.bench.sweep import planned_step
@@ -40,12 +40,7 @@ def main() -> None:
             return fi.run(*fi_args)
     else:
         call, _ = planned_step("auto", kw)
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()  # type: ignore[no-untyped-call]
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()  # type: ignore[no-untyped-call]
+    profile_second_launch(call)
     print(f"profiled {args.which} TP{args.tp} B={args.batch}")
 
 
