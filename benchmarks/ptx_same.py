@@ -104,19 +104,25 @@ def grid() -> list[dict[str, Any]]:
     return out
 
 
-def sm90a_ptx(host: Any, dump: str | Path) -> str:
-    """The PTX of a wgmma kernel's host function (`build_sm90`) compiled for sm_90a on this
-    machine (no GPU needed; the DSL's files go to `dump`)."""
+def compile_sm90a(host: Any, dump: str | Path, args: tuple[Any, ...] | None = None) -> tuple[Any, str]:
+    """A `@cute.jit` host function (a wgmma kernel's, `build_sm90`, unless its `args` are given)
+    compiled for sm_90a on this machine (no GPU needed; the DSL's files go to `dump`), and its PTX."""
     import cutlass.cute as cute
 
     from msa.backends.cute.kernel import compile_args
 
     Path(dump).mkdir(parents=True, exist_ok=True)  # (without it the DSL writes nothing and `__ptx__` is only a path)
-    fn = cute.compile(host, *compile_args(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
+    fn = cute.compile(host, *(compile_args() if args is None else args),
+                      options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
     ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
     if ".target sm_90a" not in ptx:
         raise RuntimeError(f"no sm_90a PTX from the DSL, only {ptx[:120]!r}")
-    return ptx
+    return fn, ptx
+
+
+def sm90a_ptx(host: Any, dump: str | Path) -> str:
+    """The PTX of a wgmma kernel's host function compiled for sm_90a (`compile_sm90a`)."""
+    return compile_sm90a(host, dump)[1]
 
 
 def emit(src: Path, chosen: list[dict[str, Any]], out: Path) -> None:

@@ -12,6 +12,7 @@ import os
 import random
 import re
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,9 @@ from msa.platform import Platform, package_installed
 from msa.problem import DecodeProblem, Geometry
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ptx_same import compile_sm90a as _compile_sm90a  # noqa: E402 - (benchmarks/ on the path first)
 
 HAVE_DSL = package_installed("cutlass_dsl")
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -1045,21 +1049,6 @@ CLUSTER_VARIANTS = [(("fp8", "bf16", 16, False, True, 3, False, True), 2, False)
                     (("fp8", "bf16", 8, True, False, 3, True, True), 0, True),
                     (("fp8", "f16", 16, False, True, 3, False, True), 4, True),
                     (("f16", "f16", 8, False, True, 2, False, False), 3, False)]
-
-
-def _compile_sm90a(host: Any, dump: Path, args: tuple[Any, ...] | None = None) -> tuple[Any, str]:
-    """A host function (a wgmma kernel's unless `args` are given) compiled for sm_90a on this
-    machine (no GPU), and its PTX."""
-    import cutlass.cute as cute
-
-    from msa.backends.cute.kernel import compile_args
-
-    dump.mkdir(parents=True, exist_ok=True)  # (without it the DSL writes nothing and `__ptx__` is only a path)
-    fn = cute.compile(host, *(compile_args() if args is None else args),
-                      options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {dump}")
-    ptx = fn.__ptx__.decode() if isinstance(fn.__ptx__, bytes) else str(fn.__ptx__)
-    assert ".target sm_90a" in ptx, ptx[:200]
-    return fn, ptx
 
 
 @needs_dsl
