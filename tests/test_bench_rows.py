@@ -91,13 +91,11 @@ def test_the_flashinfer_harness_measures_against_the_unrounded_reference() -> No
     rounded, it is that output bit for bit; unrounded, a kernel exact up to its own bf16 rounding
     measures no more than half a bf16 step of the largest element (2^-8), where against the rounded
     output it could read a whole step."""
+    import flashinfer_sm90
     import torch
 
     import msa
     from msa.workload import make_decode_step
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import flashinfer_sm90
 
     step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=3, decode_query_len=2, context_len=1024,
                             kv_cache_dtype="fp8_e4m3", seed=7)
@@ -112,13 +110,11 @@ def test_the_flashinfer_harness_gives_both_kernels_the_same_fp8_query() -> None:
     """`flashinfer_sm90.py --q-dtype fp8`: msa gets an E4M3 query and FlashInfer (`time_flashinfer`,
     here with its `run` and the timer stubbed) the same values as bf16, which its own rounding to
     E4M3 gives back bit for bit; the output FlashInfer fills is the one returned."""
+    import flashinfer_sm90
     import torch
 
     import msa
     from msa.workload import make_decode_step
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import flashinfer_sm90
 
     step = make_decode_step(msa.MINIMAX_M3_TP[8], batch_size=2, context_len=512, kv_cache_dtype="fp8_e4m3",
                             q_dtype=flashinfer_sm90.Q_DTYPES["fp8"], seed=3)

@@ -12,7 +12,6 @@ import os
 import random
 import re
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from cases import assert_close_to_naive, gpu_atol
 from hostile import make_hostile
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
+from ptx_same import compile_sm90a as _compile_sm90a
 from test_fuzz import step_params
 
 import msa
@@ -60,9 +60,6 @@ from msa.platform import Platform, package_installed
 from msa.problem import DecodeProblem, Geometry
 from msa.validation import check_decode_inputs
 from msa.workload import make_decode_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from ptx_same import compile_sm90a as _compile_sm90a  # noqa: E402 - (benchmarks/ on the path first)
 
 HAVE_DSL = package_installed("cutlass_dsl")
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)

@@ -20,7 +20,6 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,6 @@ from msa.problem import MINIMAX_M3_TP
 from msa.workload import indexer_topk, make_decode_step
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 calls: Any = importlib.import_module("engine_baselines.calls")
 load: Any = importlib.import_module("engine_baselines.load")
 
